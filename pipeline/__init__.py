@@ -1,0 +1,1 @@
+"""xidflow: NVIDIA GPU fault detection and Kubernetes remediation on Kafka."""

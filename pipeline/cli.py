@@ -1,0 +1,64 @@
+"""The ``xidflow`` command line.
+
+Subcommands are loaded lazily (click's LazyGroup pattern): ``xidflow classify`` must not pay for
+importing Faust or the Kubernetes client. Each entry maps a command name to
+``module:attribute`` of a click command that lives next to the code it drives.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+import click
+
+SUBCOMMANDS: dict[str, tuple[str, str]] = {
+    "local": ("pipeline.commands.local:local", "Start/stop the local Kafka broker and kube-apiserver."),
+    "classify": ("pipeline.commands.classify:classify", "Classify kernel or pod log lines from a file."),
+    "loki-tail": ("pipeline.commands.loki_tail:loki_tail", "Bridge a Loki tail query into Kafka."),
+    "probe": ("pipeline.commands.probe:probe", "Run node-side NVML health checks on an interval."),
+    "worker": ("pipeline.commands.worker:worker", "Run the Faust parse and aggregation worker."),
+    "actuator": ("pipeline.commands.actuator:actuator", "Run the Kubernetes remediation consumer."),
+    "status": ("pipeline.commands.status:status", "Show GPU nodes and what xidflow applied."),
+    "reset": ("pipeline.commands.status:reset", "Remove what xidflow applied to nodes."),
+    "breaker": ("pipeline.commands.status:breaker", "Show or reset the quarantine circuit breaker."),
+    "bench": ("pipeline.commands.bench:bench", "Measure throughput and latency against a baseline."),
+    "demo": ("pipeline.commands.demo:demo", "Run the end-to-end demo on the embedded default."),
+}
+
+
+class LazyGroup(click.Group):
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(SUBCOMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        entry = SUBCOMMANDS.get(cmd_name)
+        if entry is None:
+            return None
+        module_name, attr = entry[0].split(":")
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as exc:
+            if exc.name != module_name:
+                raise
+            raise click.ClickException(f"'{cmd_name}' is not available in this build ({module_name} missing)")
+        return getattr(module, attr)
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        # Listing uses the static help texts so that `--help` imports nothing heavy.
+        with formatter.section("Commands"):
+            formatter.write_dl([(name, SUBCOMMANDS[name][1]) for name in self.list_commands(ctx)])
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="xidflow")
+def cli() -> None:
+    """xidflow: find NVIDIA GPU faults in log streams and remediate the nodes on Kubernetes."""
+
+
+def main() -> None:
+    sys.exit(cli(standalone_mode=True))
+
+
+if __name__ == "__main__":
+    main()

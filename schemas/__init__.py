@@ -1,0 +1,43 @@
+"""Typed contracts of the records on xidflow's topics (pydantic v2, orjson on the wire)."""
+
+from schemas.records import (
+    ALL_RECORDS,
+    SCHEMA_VERSION,
+    Action,
+    DeadLetter,
+    FaultEvent,
+    FaultKind,
+    HealthCheckResult,
+    LogRecord,
+    NodeIncident,
+    NodeRecovered,
+    Outcome,
+    Record,
+    RemediationRecord,
+    Severity,
+    SignalGrade,
+    Source,
+    stable_id,
+    utcnow,
+)
+
+__all__ = [
+    "ALL_RECORDS",
+    "SCHEMA_VERSION",
+    "Action",
+    "DeadLetter",
+    "FaultEvent",
+    "FaultKind",
+    "HealthCheckResult",
+    "LogRecord",
+    "NodeIncident",
+    "NodeRecovered",
+    "Outcome",
+    "Record",
+    "RemediationRecord",
+    "Severity",
+    "SignalGrade",
+    "Source",
+    "stable_id",
+    "utcnow",
+]

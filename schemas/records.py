@@ -1,0 +1,299 @@
+"""The typed contracts of every record on every xidflow topic.
+
+Each model is the wire format of one topic (see ``TOPIC_RECORDS``): JSON encoded with orjson,
+UTF-8, keyed by node name. Downstream consumers in other languages read the JSON Schema files
+generated from these models into ``schemas/json/`` (``python -m schemas.generate``).
+
+Compatibility rule: fields are only ever added (with defaults); ``schema_version`` is bumped when
+a field's meaning changes. Unknown fields are ignored on read so that old readers keep working.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, Literal, TypeVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+SCHEMA_VERSION = 1
+
+
+class Source(StrEnum):
+    """Where a raw line came from."""
+
+    KERNEL = "kernel"
+    POD = "pod"
+    PROBE = "probe"
+
+
+class FaultKind(StrEnum):
+    XID = "xid"
+    SXID = "sxid"
+    GPU_FALLEN_OFF_BUS = "gpu_fallen_off_bus"
+    POD_ERROR = "pod_error"
+    HEALTH_CHECK = "health_check"
+    KERNEL_SEGFAULT = "kernel_segfault"
+
+
+class Action(StrEnum):
+    """NVIDIA's immediate-resolution buckets, in increasing order of disruption."""
+
+    IGNORE = "IGNORE"
+    RESTART_APP = "RESTART_APP"
+    RESET_GPU = "RESET_GPU"
+    REBOOT_NODE = "REBOOT_NODE"
+    CONTACT_SUPPORT = "CONTACT_SUPPORT"
+
+    @property
+    def rank(self) -> int:
+        return _ACTION_RANK[self]
+
+    @property
+    def quarantines(self) -> bool:
+        """True when the default policy takes the node out of scheduling for this action."""
+        return self in (Action.RESET_GPU, Action.REBOOT_NODE, Action.CONTACT_SUPPORT)
+
+    @staticmethod
+    def most_severe(*actions: Action) -> Action:
+        return max(actions, key=lambda a: a.rank)
+
+
+_ACTION_RANK = {
+    Action.IGNORE: 0,
+    Action.RESTART_APP: 1,
+    Action.RESET_GPU: 2,
+    Action.REBOOT_NODE: 3,
+    Action.CONTACT_SUPPORT: 4,
+}
+
+
+class Severity(StrEnum):
+    INFO = "info"
+    WARNING = "warning"
+    ERROR = "error"
+    CRITICAL = "critical"
+
+    @property
+    def rank(self) -> int:
+        return list(Severity).index(self)
+
+
+class SignalGrade(StrEnum):
+    """How much a pod-log signal says about the node's hardware."""
+
+    HARDWARE = "hardware"
+    APPLICATION = "application"
+    SYMPATHETIC = "sympathetic"
+
+
+class Outcome(StrEnum):
+    APPLIED = "applied"
+    ALREADY_APPLIED = "already-applied"
+    SKIPPED = "skipped"
+    DRY_RUN = "dry-run"
+    FAILED = "failed"
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+def stable_id(*parts: object) -> str:
+    """A deterministic 32-hex-digit id: the same inputs give the same id on every replica."""
+    h = hashlib.blake2b(digest_size=16)
+    for p in parts:
+        h.update(str(p).encode("utf-8", "surrogatepass"))
+        h.update(b"\x1f")
+    return h.hexdigest()
+
+
+class Record(BaseModel):
+    """Base of every wire record: JSON via orjson, unknown fields ignored on read."""
+
+    model_config = ConfigDict(extra="ignore", use_enum_values=False, frozen=False)
+
+    schema_version: int = SCHEMA_VERSION
+
+    def to_bytes(self) -> bytes:
+        return orjson.dumps(self.model_dump(mode="json"))
+
+    @classmethod
+    def from_bytes(cls: type[R], data: bytes | str) -> R:
+        return cls.model_validate_json(data)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _aware_datetimes(cls, v: Any) -> Any:
+        # Naive datetimes are taken as UTC so that records from shippers that drop the zone compare.
+        if isinstance(v, datetime) and v.tzinfo is None:
+            return v.replace(tzinfo=UTC)
+        return v
+
+
+R = TypeVar("R", bound=Record)
+
+
+class LogRecord(Record):
+    """One normalised input line, whatever shipper produced it."""
+
+    type: Literal["log"] = "log"
+    node: str = Field(min_length=1, max_length=253, description="Kubernetes node name")
+    source: Source
+    ts: datetime = Field(description="When the line was logged (shipper's timestamp), UTC")
+    line: str = Field(description="The raw log line, prefixes included")
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    boot_id: str | None = Field(default=None, description="Node boot id when the shipper knows it")
+    shipper: str = Field(default="plain", description="Adapter that produced the record")
+
+    @property
+    def record_id(self) -> str:
+        return stable_id(self.node, self.source, self.ts.isoformat(), self.pod, self.line)
+
+
+class FaultEvent(Record):
+    """One recognised fault signal, classified by the catalog."""
+
+    type: Literal["fault"] = "fault"
+    id: str = Field(description="Deterministic id: same input line, same id")
+    node: str
+    kind: FaultKind
+    source: Source = Source.KERNEL
+    code: int | None = Field(default=None, description="Xid/SXid code")
+    subcode: int | None = Field(default=None, description="Xid 144-150 subcode, Xid 154 recovery action")
+    pci: str | None = Field(default=None, description="PCI address, lowercase dddd:bb:dd.f")
+    gpu_uuid: str | None = None
+    nvswitch: str | None = Field(default=None, description="nvidia-nvswitchN device for SXid")
+    link: int | None = None
+    fatal: bool | None = Field(default=None, description="Fatality printed in the line (SXid, NVLink5)")
+    pid: int | None = None
+    process: str | None = None
+    grade: SignalGrade | None = Field(default=None, description="Pod signals: hardware/application/sympathetic")
+    action: Action
+    severity: Severity
+    sticky: bool = Field(default=False, description="Catalog says repeats point to hardware")
+    name: str = Field(default="", description="Catalog name of the code")
+    detail: dict[str, Any] = Field(default_factory=dict, description="Code-specific fields (GPC/TPC/SM, registers)")
+    ts: datetime = Field(description="When the line was logged")
+    ingested_at: datetime = Field(default_factory=utcnow)
+    line: str = ""
+    namespace: str | None = None
+    pod: str | None = None
+    container: str | None = None
+    boot_id: str | None = None
+
+    @property
+    def quarantine(self) -> bool:
+        return self.action.quarantines
+
+
+class NodeIncident(Record):
+    """A debounced, classified decision about one node."""
+
+    type: Literal["incident"] = "incident"
+    incident_id: str
+    node: str
+    signature: str = Field(description="Primary signature, e.g. 'xid:79:0000:4e:00.0'")
+    signatures: list[str] = Field(default_factory=list)
+    kind: FaultKind
+    code: int | None = None
+    pci: str | None = None
+    gpu_uuid: str | None = None
+    count: int = 1
+    first_seen: datetime
+    last_seen: datetime
+    opened_at: datetime = Field(default_factory=utcnow)
+    revision: int = Field(default=0, description="Bumped when an open incident is escalated")
+    severity: Severity
+    action: Action
+    quarantine: bool
+    escalation_reason: str | None = None
+    evidence_ids: list[str] = Field(default_factory=list)
+    boot_id: str | None = None
+    line: str = Field(default="", description="First log line of the incident")
+    source_ts: datetime | None = Field(default=None, description="Log time of the line that opened it")
+
+
+class NodeRecovered(Record):
+    type: Literal["recovered"] = "recovered"
+    incident_id: str
+    node: str
+    reason: Literal["reboot", "quiet", "manual"]
+    boot_id: str | None = None
+    recovered_at: datetime = Field(default_factory=utcnow)
+    detail: str = ""
+
+
+class HealthCheckResult(Record):
+    """One node-side check (NVML), produced by ``xidflow probe``."""
+
+    type: Literal["health_check"] = "health_check"
+    node: str
+    check: str = Field(description="gpu_count, nvlink, ecc, remapped_rows, driver")
+    passed: bool
+    severity: Severity = Severity.INFO
+    message: str = ""
+    gpu_index: int | None = None
+    gpu_uuid: str | None = None
+    pci: str | None = None
+    values: dict[str, Any] = Field(default_factory=dict)
+    boot_id: str | None = None
+    ts: datetime = Field(default_factory=utcnow)
+
+
+class RemediationRecord(Record):
+    """What the actuator decided or did, one per decision and per effect."""
+
+    type: Literal["remediation"] = "remediation"
+    record_id: str
+    node: str
+    incident_id: str | None = None
+    action: str
+    outcome: Outcome
+    reason: str = ""
+    started_at: datetime = Field(default_factory=utcnow)
+    finished_at: datetime = Field(default_factory=utcnow)
+    worker_id: str = ""
+    dry_run: bool = False
+    details: dict[str, Any] = Field(default_factory=dict)
+
+
+class DeadLetter(Record):
+    """Input that could not be understood, with why. Nothing is dropped silently."""
+
+    type: Literal["dead_letter"] = "dead_letter"
+    stage: str = Field(description="Which stage rejected it (adapter, parse, actuator, ...)")
+    reason: str
+    topic: str | None = None
+    partition: int | None = None
+    offset: int | None = None
+    key: str | None = None
+    payload: str = Field(default="", description="The input, UTF-8 with replacement, truncated to 64 KiB")
+    payload_truncated: bool = False
+    received_at: datetime = Field(default_factory=utcnow)
+
+    @classmethod
+    def of(cls, stage: str, reason: str, payload: bytes | str | None, **kw: Any) -> DeadLetter:
+        if payload is None:
+            text = ""
+        elif isinstance(payload, bytes):
+            text = payload[:65536].decode("utf-8", "replace")
+        else:
+            text = payload[:65536]
+        size = len(payload) if payload is not None else 0
+        return cls(stage=stage, reason=reason, payload=text, payload_truncated=size > 65536, **kw)
+
+
+ALL_RECORDS: tuple[type[Record], ...] = (
+    LogRecord,
+    FaultEvent,
+    NodeIncident,
+    NodeRecovered,
+    HealthCheckResult,
+    RemediationRecord,
+    DeadLetter,
+)
