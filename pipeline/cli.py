@@ -41,7 +41,7 @@ class LazyGroup(click.Group):
         except ModuleNotFoundError as exc:
             if exc.name != module_name:
                 raise
-            raise click.ClickException(f"'{cmd_name}' is not available in this build ({module_name} missing)")
+            raise click.ClickException(f"'{cmd_name}' is not available in this build ({module_name} missing)") from exc
         return getattr(module, attr)
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:

@@ -1,0 +1,41 @@
+# The two commands of the README:
+#   make demo   - set everything up and run the end-to-end demo on the embedded default
+#   make test   - set everything up and run the whole test suite (what CI runs)
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test setup infra lint bench schemas clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+setup: $(STAMP)
+
+# Builds/downloads kube-apiserver, etcd and the Kafka jars once (cached under ~/.cache/xidflow).
+infra: setup
+	$(VENV)/bin/xidflow local install
+
+demo: infra
+	$(VENV)/bin/xidflow demo
+
+lint: setup
+	$(VENV)/bin/ruff check .
+
+test: infra lint
+	@$(PY) -m pytest -ra --durations=15 tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: infra
+	$(VENV)/bin/xidflow bench --json bench-results/bench.json
+
+schemas: setup
+	$(PY) -m schemas.generate
+
+clean:
+	-$(VENV)/bin/xidflow local down
+	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache .hypothesis

@@ -1,0 +1,101 @@
+"""``xidflow local``: the embedded default infrastructure (Kafka + kube-apiserver) on this machine."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from pipeline.localinfra.install import InstallError, ensure_controlplane, ensure_kafka
+from pipeline.localinfra.launcher import LocalInfra, default_state_dir
+from pipeline.localinfra.procs import StartError
+
+err = Console(stderr=True)
+
+
+def _log(msg: str) -> None:
+    err.print(f"[dim]local:[/] {msg}")
+
+
+state_dir_option = click.option(
+    "--state-dir", type=click.Path(file_okay=False, path_type=Path), default=None,
+    help="Where state and logs live (default: $XIDFLOW_STATE_DIR or ~/.cache/xidflow/local).",
+)
+
+
+@click.group()
+def local() -> None:
+    """Start, inspect and stop the local Kafka broker and Kubernetes API server."""
+
+
+@local.command()
+def install() -> None:
+    """Install (build or download) the local binaries now, with progress, without starting them."""
+    try:
+        t0 = time.monotonic()
+        ensure_kafka(_log)
+        ensure_controlplane(_log)
+        _log(f"installed in {time.monotonic() - t0:.1f}s")
+    except InstallError as exc:
+        err.print(f"[red]error:[/] {exc}")
+        sys.exit(1)
+
+
+@local.command()
+@click.option("--kafka-brokers", type=click.IntRange(1, 5), default=1, show_default=True,
+              help="Number of Kafka brokers (KRaft, on loopback); use 3 for failure tests.")
+@state_dir_option
+def up(kafka_brokers: int, state_dir: Path | None) -> None:
+    """Start Kafka and the API server in the background (endpoints from the environment win)."""
+    infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
+    t0 = time.monotonic()
+    try:
+        endpoints = infra.up(kafka_brokers=kafka_brokers)
+    except (InstallError, StartError, OSError) as exc:
+        err.print(f"[red]error:[/] could not start the local infrastructure: {exc}")
+        sys.exit(1)
+    _log(f"up in {time.monotonic() - t0:.1f}s; run: eval \"$(xidflow local env)\"")
+    click.echo(endpoints.env_lines(), nl=False)
+
+
+@local.command()
+@state_dir_option
+def env(state_dir: Path | None) -> None:
+    """Print shell exports for KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG."""
+    infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
+    if not infra.endpoints:
+        err.print("[red]error:[/] the local infrastructure is not up; run: xidflow local up")
+        sys.exit(1)
+    click.echo(infra.endpoints.env_lines(), nl=False)
+
+
+@local.command()
+@state_dir_option
+def status(state_dir: Path | None) -> None:
+    """Show what is running; exit 1 when something is down."""
+    infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
+    st = infra.status()
+    table = Table(title=f"xidflow local ({infra.state_dir})")
+    table.add_column("component")
+    table.add_column("state")
+    for name, ok in st.items():
+        table.add_row(name, "[green]running[/]" if ok else "[red]down[/]")
+    if infra.endpoints:
+        table.add_row("kafka bootstrap", infra.endpoints.kafka_bootstrap)
+        table.add_row("kubeconfig", infra.endpoints.kubeconfig)
+    Console().print(table)
+    if not st or not all(st.values()):
+        sys.exit(1)
+
+
+@local.command()
+@state_dir_option
+def down(state_dir: Path | None) -> None:
+    """Stop everything `local up` started; nothing is left listening."""
+    infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
+    infra.down()
+    _log("down")

@@ -1,0 +1,207 @@
+"""Brings up (or finds) the two services xidflow needs: a Kafka cluster and a Kubernetes API server.
+
+Source order, decided per service:
+1. endpoints given in the environment (``KAFKA_BOOTSTRAP_SERVERS``, ``KUBECONFIG``);
+2. testcontainers (Kafka, K3s) when a Docker engine answers;
+3. local builds (Kafka jars from Maven Central, kube-apiserver + etcd built with Go).
+
+State (pids, ports, container ids) is kept in ``<state_dir>/state.json`` so that ``local down``
+in another process stops exactly what ``local up`` started.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pipeline.localinfra import procs
+from pipeline.localinfra.controlplane import ControlPlane
+from pipeline.localinfra.install import Log, cache_root
+from pipeline.localinfra.kafka import KafkaCluster
+
+
+def default_state_dir() -> Path:
+    explicit = os.environ.get("XIDFLOW_STATE_DIR")
+    return Path(explicit) if explicit else cache_root() / "local"
+
+
+def docker_answers() -> bool:
+    """True when a Docker engine (not just the client) answers."""
+    if os.environ.get("XIDFLOW_NO_DOCKER") or not shutil.which("docker"):
+        return False
+    try:
+        return subprocess.run(["docker", "info"], capture_output=True, timeout=10).returncode == 0
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+
+
+@dataclass
+class Endpoints:
+    kafka_bootstrap: str
+    kubeconfig: str
+    kafka_source: str
+    kube_source: str
+
+    def env_lines(self) -> str:
+        return f"export KAFKA_BOOTSTRAP_SERVERS={self.kafka_bootstrap}\nexport KUBECONFIG={self.kubeconfig}\n"
+
+
+@dataclass
+class LocalInfra:
+    """The local infrastructure of one state directory."""
+
+    state_dir: Path = field(default_factory=default_state_dir)
+    log: Log = print
+    kafka: KafkaCluster | None = None
+    control_plane: ControlPlane | None = None
+    containers: dict[str, Any] = field(default_factory=dict)
+    endpoints: Endpoints | None = None
+
+    @property
+    def state_file(self) -> Path:
+        return Path(self.state_dir) / "state.json"
+
+    # -- persistence -----------------------------------------------------------------------
+    def save(self) -> None:
+        Path(self.state_dir).mkdir(parents=True, exist_ok=True)
+        state = {
+            "kafka": self.kafka.to_dict() if self.kafka else None,
+            "control_plane": self.control_plane.to_dict() if self.control_plane else None,
+            "containers": {k: v for k, v in self.containers.items() if isinstance(v, str)},
+            "endpoints": self.endpoints.__dict__ if self.endpoints else None,
+        }
+        tmp = self.state_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=2))
+        tmp.replace(self.state_file)
+
+    @classmethod
+    def load(cls, state_dir: Path | None = None, log: Log = print) -> LocalInfra:
+        infra = cls(state_dir=Path(state_dir or default_state_dir()), log=log)
+        if infra.state_file.exists():
+            state = json.loads(infra.state_file.read_text())
+            if state.get("kafka"):
+                infra.kafka = KafkaCluster.from_dict(state["kafka"], log=log)
+            if state.get("control_plane"):
+                infra.control_plane = ControlPlane.from_dict(state["control_plane"], log=log)
+            infra.containers = state.get("containers") or {}
+            if state.get("endpoints"):
+                infra.endpoints = Endpoints(**state["endpoints"])
+        return infra
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def up(self, kafka_brokers: int = 1, detach: bool = True) -> Endpoints:
+        """Start what is not already given; ``detach`` keeps containers alive after this process."""
+        if self.endpoints and self.is_running():
+            self.log("local infrastructure already running")
+            return self.endpoints
+        self.down(quiet=True)
+        env_kafka = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
+        env_kube = os.environ.get("KUBECONFIG")
+        docker = None if (env_kafka and env_kube) else docker_answers()
+        try:
+            if env_kafka:
+                kafka_bootstrap, kafka_source = env_kafka, "environment (KAFKA_BOOTSTRAP_SERVERS)"
+            elif docker:
+                kafka_bootstrap, kafka_source = self._kafka_container(detach), "testcontainers (Docker)"
+            else:
+                self.kafka = KafkaCluster(Path(self.state_dir) / "kafka", brokers=kafka_brokers, log=self.log)
+                self.save()
+                self.kafka.start()
+                kafka_bootstrap = self.kafka.bootstrap
+                kafka_source = f"local build (Apache Kafka, KRaft, {kafka_brokers} broker(s))"
+            self.log(f"Kafka: {kafka_source} at {kafka_bootstrap}")
+            self.save()
+            if env_kube:
+                kubeconfig, kube_source = env_kube, "environment (KUBECONFIG)"
+            elif docker:
+                kubeconfig, kube_source = self._k3s_container(detach), "testcontainers (K3s, Docker)"
+            else:
+                self.control_plane = ControlPlane(Path(self.state_dir) / "controlplane", log=self.log)
+                self.save()
+                self.control_plane.start()
+                kubeconfig = str(self.control_plane.kubeconfig)
+                kube_source = "local build (kube-apiserver + etcd)"
+            self.log(f"Kubernetes API: {kube_source}, kubeconfig {kubeconfig}")
+        except BaseException:
+            self.save()
+            self.down(quiet=True)
+            raise
+        self.endpoints = Endpoints(kafka_bootstrap, kubeconfig, kafka_source, kube_source)
+        self.save()
+        return self.endpoints
+
+    def _kafka_container(self, detach: bool) -> str:
+        if detach:
+            os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        from testcontainers.kafka import KafkaContainer
+
+        container = KafkaContainer().with_kraft()
+        container.start()
+        self.containers["kafka"] = container.get_wrapped_container().id
+        self.containers["_kafka_obj"] = container
+        return container.get_bootstrap_server()
+
+    def _k3s_container(self, detach: bool) -> str:
+        if detach:
+            os.environ.setdefault("TESTCONTAINERS_RYUK_DISABLED", "true")
+        from testcontainers.k3s import K3SContainer
+
+        container = K3SContainer()
+        container.start()
+        self.containers["k3s"] = container.get_wrapped_container().id
+        self.containers["_k3s_obj"] = container
+        path = Path(self.state_dir) / "k3s.kubeconfig"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(container.config_yaml())
+        return str(path)
+
+    def down(self, quiet: bool = False) -> None:
+        """Stop everything this state directory started; leaves no process or port behind."""
+        if self.control_plane:
+            self.control_plane.stop()
+        if self.kafka:
+            self.kafka.stop()
+        for cid in list(self.containers.values()):
+            if isinstance(cid, str) and shutil.which("docker"):
+                subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
+        self.containers = {}
+        if self.endpoints and not quiet:
+            self.log("local infrastructure stopped")
+        self.kafka = None
+        self.control_plane = None
+        self.endpoints = None
+        if Path(self.state_dir).exists():
+            self.save()
+
+    def is_running(self) -> bool:
+        status = self.status()
+        return bool(status) and all(status.values())
+
+    def status(self) -> dict[str, bool]:
+        out: dict[str, bool] = {}
+        if self.kafka:
+            for node_id, ok in self.kafka.running().items():
+                out[f"kafka-{node_id}"] = ok
+        if self.control_plane:
+            out.update(self.control_plane.running())
+        for key, cid in self.containers.items():
+            if not key.startswith("_"):
+                out[f"container:{key}"] = _container_running(cid)
+        return out
+
+
+def _container_running(cid: str) -> bool:
+    try:
+        proc = subprocess.run(["docker", "inspect", "-f", "{{.State.Running}}", cid],
+                              capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return proc.stdout.strip() == "true"
+
+
+__all__ = ["Endpoints", "LocalInfra", "default_state_dir", "docker_answers", "procs"]

@@ -1,0 +1,99 @@
+"""Small process and port helpers shared by the local Kafka and control-plane launchers."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+
+class StartError(RuntimeError):
+    """A local service did not come up; the message names it and quotes its log."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_open(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.3)
+        return s.connect_ex((host, port)) == 0
+
+
+def spawn(cmd: list[str], log_file: Path, cwd: Path | None = None, env: dict[str, str] | None = None) -> int:
+    """Start a daemon in its own session (it outlives the CLI that started it); return its pid."""
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_file, "ab") as out:
+        proc = subprocess.Popen(
+            cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            cwd=cwd, env=env, start_new_session=True,
+        )
+    return proc.pid
+
+
+def alive(pid: int | None) -> bool:
+    if not pid:
+        return False
+    try:
+        # Reap it if it is our exited child, so a zombie does not count as alive.
+        with contextlib.suppress(ChildProcessError):
+            if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                return False
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1][0]
+        return state != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def stop(pid: int | None, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
+    """Signal a daemon's whole process group and wait; SIGKILL after the timeout."""
+    if not alive(pid):
+        return
+    assert pid is not None
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, sig)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not alive(pid):
+            return
+        time.sleep(0.1)
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 5
+    while alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+
+
+def wait_until(
+    check: Callable[[], bool], timeout: float, what: str, pid: int | None, log_file: Path
+) -> None:
+    """Poll ``check`` until true; fail early (with the log's tail) if the process died."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if check():
+            return
+        if pid is not None and not alive(pid):
+            raise StartError(f"{what} exited during start-up; last log lines:\n{tail(log_file)}")
+        time.sleep(0.2)
+    raise StartError(f"{what} not ready after {timeout:.0f}s; last log lines:\n{tail(log_file)}")
+
+
+def tail(path: Path, lines: int = 25) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return f"(no log at {path})"
