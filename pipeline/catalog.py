@@ -1,0 +1,330 @@
+"""The fault catalog: what each Xid / SXid / signal means and what we do about it.
+
+The tables live in ``pipeline/data/xid_catalog.yaml`` (reviewable, with its sources). This module
+loads and validates them, merges operator overrides, and answers the lookups classification needs.
+
+Operator overrides
+------------------
+Any entry can be overridden from a YAML file with the same layout; only the fields given change::
+
+    # /etc/xidflow/catalog-overrides.yaml
+    xid:
+      13: {action: RESET_GPU, note: "our fleet: Xid 13 has always been hardware"}
+      200: {name: NEW_CODE, action: IGNORE, severity: info}    # new codes may be added
+    sxid:
+      20009: {fatal: false, action: IGNORE, severity: warning}
+    signals:
+      pod_hardware: {action: RESET_GPU}
+
+Point ``XIDFLOW_CATALOG_OVERRIDES`` at the file (see :class:`CatalogSettings`) or pass
+``overrides=`` to :meth:`Catalog.load`. Invalid entries fail loudly with the entry named
+(``CatalogError: xid 13: action: Input should be 'IGNORE', ...``).
+
+Lookups (all return a :class:`Classification`, never raise, unknown codes are conservative):
+:meth:`Catalog.xid`, :meth:`Catalog.sxid`, :meth:`Catalog.recovery_action`, :meth:`Catalog.nvlink5`,
+:meth:`Catalog.signal`, :meth:`Catalog.health_check`.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from functools import lru_cache
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from schemas.records import Action, Severity
+
+DEFAULT_CATALOG_PATH = Path(str(resources.files("pipeline") / "data" / "xid_catalog.yaml"))
+
+
+class CatalogError(ValueError):
+    """The catalog (or an override file) is invalid; the message names the entry."""
+
+
+class CatalogSettings(BaseSettings):
+    """Where operator overrides come from: ``XIDFLOW_CATALOG_OVERRIDES=/path/to/overrides.yaml``."""
+
+    model_config = SettingsConfigDict(env_prefix="XIDFLOW_CATALOG_", extra="ignore")
+
+    path: Path | None = Field(default=None, description="Replace the built-in catalog file entirely")
+    overrides: Path | None = Field(default=None, description="YAML file whose entries override the catalog's")
+
+
+@dataclass(frozen=True, slots=True)
+class Classification:
+    """The catalog's verdict on one signal."""
+
+    action: Action
+    severity: Severity
+    sticky: bool = False
+    name: str = ""
+    fatal: bool | None = None
+    known: bool = True
+
+    @property
+    def quarantine(self) -> bool:
+        return self.action.quarantines
+
+
+class _Entry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = ""
+    description: str = ""
+    bucket: str = ""
+    action: Action
+    severity: Severity
+    sticky: bool = False
+    note: str = ""
+
+
+class _SXidEntry(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str = ""
+    fatal: bool
+    fabric: bool = False
+    action: Action
+    severity: Severity
+    note: str = ""
+
+
+class _Defaults(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    unknown_xid: _Entry
+    unknown_sxid: _Entry
+    unknown_recovery_action: _Entry
+
+
+class _Nvlink5(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    fatal: _Entry
+    nonfatal: _Entry
+
+
+_REQUIRED_SIGNALS = (
+    "gpu_fallen_off_bus",
+    "nccl_segfault",
+    "pod_hardware",
+    "pod_application",
+    "pod_sympathetic",
+)
+
+
+def _validate(section: str, key: object, model: type[BaseModel], value: Any) -> Any:
+    if not isinstance(value, dict):
+        raise CatalogError(f"{section} {key}: expected a mapping, got {type(value).__name__}")
+    try:
+        return model.model_validate(value)
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in err['loc']) or '(entry)'}: {err['msg']}" for err in exc.errors()
+        )
+        raise CatalogError(f"{section} {key}: {problems}") from None
+
+
+def _int_key(section: str, key: object) -> int:
+    try:
+        code = int(str(key))
+    except ValueError:
+        raise CatalogError(f"{section} {key!r}: the key must be an integer code") from None
+    if code < 0:
+        raise CatalogError(f"{section} {key}: codes are non-negative")
+    return code
+
+
+def _merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """Section-wise, entry-wise, field-wise merge of an override document onto the catalog."""
+    merged = copy.deepcopy(base)
+    for section, entries in override.items():
+        if section == "version":
+            continue
+        if not isinstance(entries, dict):
+            raise CatalogError(f"override section {section!r}: expected a mapping")
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise CatalogError(f"override section {section!r}: the catalog's section is not a mapping")
+        # YAML may give int keys in one document and str keys in the other: match by string.
+        by_str = {str(k): k for k in target}
+        for key, fields in entries.items():
+            existing_key = by_str.get(str(key), key)
+            current = target.get(existing_key)
+            if isinstance(current, dict) and isinstance(fields, dict):
+                target[existing_key] = {**current, **fields}
+            else:
+                target[existing_key] = fields
+    return merged
+
+
+class Catalog:
+    """Validated, immutable fault tables with conservative answers for anything unknown."""
+
+    def __init__(self, document: dict[str, Any]) -> None:
+        if not isinstance(document, dict):
+            raise CatalogError("catalog: the document must be a mapping")
+        for section in ("defaults", "xid", "sxid", "recovery_actions", "nvlink5", "signals", "health_checks"):
+            if not isinstance(document.get(section), dict):
+                raise CatalogError(f"catalog: section {section!r} is missing or not a mapping")
+        self._defaults: _Defaults = _validate("defaults", "", _Defaults, document["defaults"])
+        self._xid: dict[int, _Entry] = {
+            _int_key("xid", k): _validate("xid", k, _Entry, v) for k, v in document["xid"].items()
+        }
+        self._sxid: dict[int, _SXidEntry] = {
+            _int_key("sxid", k): _validate("sxid", k, _SXidEntry, v) for k, v in document["sxid"].items()
+        }
+        self._recovery: dict[int, _Entry] = {
+            _int_key("recovery_actions", k): _validate("recovery_actions", k, _Entry, v)
+            for k, v in document["recovery_actions"].items()
+        }
+        self._nvlink5: _Nvlink5 = _validate("nvlink5", "", _Nvlink5, document["nvlink5"])
+        self._signals: dict[str, _Entry] = {
+            str(k): _validate("signals", k, _Entry, v) for k, v in document["signals"].items()
+        }
+        missing = [s for s in _REQUIRED_SIGNALS if s not in self._signals]
+        if missing:
+            raise CatalogError(f"signals: missing required entries {missing}")
+        self._health: dict[str, _Entry] = {
+            str(k): _validate("health_checks", k, _Entry, v) for k, v in document["health_checks"].items()
+        }
+        if "unknown" not in self._health:
+            raise CatalogError("health_checks: missing required entry 'unknown'")
+        # Lookups on the hot path return prebuilt objects instead of constructing one per event.
+        self._xid_cls = {code: self._cls(e) for code, e in self._xid.items()}
+
+    # -- construction -----------------------------------------------------------------------------
+
+    @classmethod
+    def load(
+        cls,
+        path: str | Path | None = None,
+        overrides: str | Path | dict[str, Any] | None = None,
+    ) -> Catalog:
+        """Load the catalog file (default: the built-in one) and apply overrides (file or mapping)."""
+        document = _read_yaml(Path(path) if path else DEFAULT_CATALOG_PATH)
+        if overrides is not None:
+            override_doc = overrides if isinstance(overrides, dict) else _read_yaml(Path(overrides))
+            document = _merge(document, override_doc)
+        return cls(document)
+
+    @classmethod
+    def from_settings(cls, settings: CatalogSettings | None = None) -> Catalog:
+        """The catalog as configured by the environment (``XIDFLOW_CATALOG_PATH`` / ``_OVERRIDES``)."""
+        settings = settings or CatalogSettings()
+        return cls.load(settings.path, settings.overrides)
+
+    @classmethod
+    def default(cls) -> Catalog:
+        """The built-in catalog, loaded once per process."""
+        return _default_catalog()
+
+    # -- lookups ----------------------------------------------------------------------------------
+
+    @staticmethod
+    def _cls(
+        entry: _Entry, *, known: bool = True, fatal: bool | None = None, name: str | None = None
+    ) -> Classification:
+        return Classification(
+            action=entry.action,
+            severity=entry.severity,
+            sticky=entry.sticky,
+            name=entry.name if name is None else name,
+            fatal=fatal,
+            known=known,
+        )
+
+    def xid(self, code: int) -> Classification:
+        """Classification of Xid ``code``; unknown codes get ``defaults.unknown_xid``."""
+        found = self._xid_cls.get(code)
+        if found is not None:
+            return found
+        return self._cls(self._defaults.unknown_xid, known=False, name=f"XID_{code}")
+
+    def xid_entry(self, code: int) -> dict[str, Any] | None:
+        """The full catalog row (name, description, bucket, note, ...) for display, or None."""
+        entry = self._xid.get(code)
+        return entry.model_dump(mode="json") if entry else None
+
+    def xid_codes(self) -> list[int]:
+        return sorted(self._xid)
+
+    def sxid(self, code: int, printed_fatal: bool | None = None) -> Classification:
+        """Classification of NVSwitch SXid ``code``.
+
+        ``printed_fatal`` is the Fatal/Non-fatal word printed in the line. A printed "Fatal" always
+        wins over a non-fatal catalog row (escalating to at least RESET_GPU); an unknown code is
+        ``defaults.unknown_sxid`` whatever was printed (conservative).
+        """
+        entry = self._sxid.get(code)
+        if entry is None:
+            d = self._defaults.unknown_sxid
+            return Classification(d.action, d.severity, False, f"SXID_{code}", printed_fatal, known=False)
+        fatal = entry.fatal or bool(printed_fatal)
+        action, severity = entry.action, entry.severity
+        if fatal and not entry.fatal:
+            action = Action.most_severe(action, Action.RESET_GPU)
+            severity = max(severity, Severity.ERROR, key=lambda s: s.rank)
+        return Classification(action, severity, False, entry.name or f"SXID_{code}", fatal)
+
+    def sxid_codes(self) -> list[int]:
+        return sorted(self._sxid)
+
+    def recovery_action(self, number: int) -> Classification:
+        """Xid 154: classification of GPU recovery action ``number`` (the 0xN in the line)."""
+        entry = self._recovery.get(number)
+        if entry is None:
+            unknown = self._defaults.unknown_recovery_action
+            return self._cls(unknown, known=False, name=f"RECOVERY_ACTION_{number}")
+        return self._cls(entry, name=f"GPU_RECOVERY_ACTION_{entry.name}")
+
+    def nvlink5(self, code: int, fatal: bool | None) -> Classification:
+        """NVLink5 Xids 144-150 by the printed flag; no flag falls back to the code's own row."""
+        if fatal is None:
+            return self.xid(code)
+        entry = self._nvlink5.fatal if fatal else self._nvlink5.nonfatal
+        base = self.xid(code)
+        return Classification(entry.action, entry.severity, base.sticky, base.name, fatal, base.known)
+
+    def signal(self, name: str) -> Classification:
+        """A named non-code signal (``gpu_fallen_off_bus``, ``nccl_segfault``, ``pod_<grade>``)."""
+        entry = self._signals.get(name)
+        if entry is None:
+            return self._cls(self._defaults.unknown_xid, known=False, name=name.upper())
+        return self._cls(entry)
+
+    def health_check(self, check: str, values: dict[str, Any] | None = None) -> Classification:
+        """A failed probe check by its name; ``remapped_rows`` with ``values.failed`` is worse."""
+        if check == "remapped_rows" and values and values.get("failed") and "remapped_rows_failed" in self._health:
+            return self._cls(self._health["remapped_rows_failed"])
+        entry = self._health.get(check)
+        if entry is None:
+            return self._cls(self._health["unknown"], known=False)
+        return self._cls(entry)
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise CatalogError(f"catalog file {path}: {exc.strerror or exc}") from None
+    try:
+        document = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise CatalogError(f"catalog file {path}: not valid YAML: {exc}") from None
+    if document is None:
+        return {}
+    if not isinstance(document, dict):
+        raise CatalogError(f"catalog file {path}: the top level must be a mapping")
+    return document
+
+
+@lru_cache(maxsize=1)
+def _default_catalog() -> Catalog:
+    return Catalog.load()

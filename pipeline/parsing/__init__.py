@@ -1,0 +1,31 @@
+"""Pure parsers: kernel lines (Xid, SXid, fallen off the bus, UUID map, NCCL segfault) and pod signals.
+
+Stateless, no I/O. Stateful folding and classification live in :mod:`pipeline.detect`.
+"""
+
+from pipeline.parsing.common import normalize_pci, prefix_is_kernel
+from pipeline.parsing.kernel import (
+    FallenOffBusLine,
+    GpuUuidLine,
+    KernelLine,
+    NcclSegfaultLine,
+    SXidLine,
+    XidLine,
+    parse_kernel_line,
+)
+from pipeline.parsing.pod import PodSignal, match_pod_signal, pod_anchor
+
+__all__ = [
+    "FallenOffBusLine",
+    "GpuUuidLine",
+    "KernelLine",
+    "NcclSegfaultLine",
+    "PodSignal",
+    "SXidLine",
+    "XidLine",
+    "match_pod_signal",
+    "normalize_pci",
+    "parse_kernel_line",
+    "pod_anchor",
+    "prefix_is_kernel",
+]

@@ -1,0 +1,101 @@
+"""Pure matchers for GPU fault signals in pod / container logs.
+
+Pod logs are weaker evidence than kernel lines: they are tenant-controlled text, and when one node
+fails every rank of a distributed job reports errors. Each signal is therefore tagged with a grade
+(:class:`schemas.records.SignalGrade`):
+
+- ``hardware``: the CUDA runtime says the hardware failed (uncorrectable ECC / NVLink error);
+- ``application``: the job's own bug or a crash it caused (illegal address, device-side assert, ...);
+- ``sympathetic``: collective-communication failures every rank reports when a peer dies (NCCL
+  watchdog timeouts, remote process exited). Never act on these alone.
+
+The patterns cover the CUDA runtime's error strings (``cudaGetErrorString``), the driver API's
+enum names (``CUDA_ERROR_*``) and runtime enum names (``cudaError*``), as PyTorch, JAX and NCCL print them.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from schemas.records import SignalGrade
+
+
+@dataclass(frozen=True, slots=True)
+class PodSignal:
+    """One recognised pod-log signal."""
+
+    name: str
+    grade: SignalGrade
+    matched: str
+
+
+# (name, grade, regex). Order matters: the first match wins, and hardware beats application
+# beats sympathetic, so a line quoting both an NCCL error and its ECC cause counts as hardware.
+_SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
+    ("cuda_ecc_uncorrectable", SignalGrade.HARDWARE,
+     r"uncorrectable ECC error encountered|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
+    ("cuda_nvlink_uncorrectable", SignalGrade.HARDWARE,
+     r"uncorrectable NVLink error detected|CUDA_ERROR_NVLINK_UNCORRECTABLE|cudaErrorNvlinkUncorrectable"),
+    ("cuda_illegal_address", SignalGrade.APPLICATION,
+     r"an illegal memory access was encountered|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress"),
+    ("cuda_launch_failure", SignalGrade.APPLICATION,
+     r"unspecified launch failure|CUDA_ERROR_LAUNCH_FAILED|cudaErrorLaunchFailure"),
+    ("cuda_misaligned_address", SignalGrade.APPLICATION,
+     r"CUDA error: misaligned address|CUDA_ERROR_MISALIGNED_ADDRESS|cudaErrorMisalignedAddress"
+     r"|\bmisaligned address\b"),
+    ("cuda_device_assert", SignalGrade.APPLICATION,
+     r"device-side assert triggered|CUDA_ERROR_ASSERT\b|cudaErrorAssert\b"),
+    ("cuda_invalid_device_ordinal", SignalGrade.APPLICATION,
+     r"invalid device ordinal|CUDA_ERROR_INVALID_DEVICE\b|cudaErrorInvalidDevice\b"),
+    ("nccl_watchdog_timeout", SignalGrade.SYMPATHETIC,
+     r"Watchdog caught collective operation timeout"),
+    ("nccl_remote_error", SignalGrade.SYMPATHETIC,
+     r"remote process exited or there was a network error"),
+    ("nccl_unhandled_system_error", SignalGrade.SYMPATHETIC,
+     r"NCCL error[^\n]*unhandled system error|ncclSystemError"),
+    ("nccl_unhandled_cuda_error", SignalGrade.SYMPATHETIC,
+     r"unhandled cuda error|ncclUnhandledCudaError"),
+    ("nccl_error", SignalGrade.SYMPATHETIC,
+     r"NCCL error\b|ncclInternalError|ncclRemoteError"),
+)
+
+_COMBINED_RE = re.compile("|".join(f"(?P<s{i}>{pattern})" for i, (_, _, pattern) in enumerate(_SIGNALS)))
+
+# Every pattern above contains one of these substrings; lines without any of them are skipped
+# with plain substring scans before the regular expression runs.
+POD_ANCHORS: tuple[str, ...] = (
+    "rror",  # error / Error / cudaError* / CUDA_ERROR_* (upper case checked below)
+    "RROR",
+    "ailure",
+    "ssert",
+    "misaligned",
+    "ordinal",
+    "Watchdog",
+    "remote process",
+)
+
+
+def pod_anchor(line: str) -> bool:
+    """Cheap test: can ``line`` contain a pod signal at all?"""
+    for anchor in POD_ANCHORS:
+        if anchor in line:
+            return True
+    return False
+
+
+def match_pod_signal(line: str) -> PodSignal | None:
+    """The strongest signal in one pod-log line, or None."""
+    if not pod_anchor(line):
+        return None
+    best: tuple[int, re.Match[str]] | None = None
+    for m in _COMBINED_RE.finditer(line):
+        index = int(m.lastgroup[1:]) if m.lastgroup else len(_SIGNALS)
+        if best is None or index < best[0]:
+            best = (index, m)
+        if index == 0:
+            break
+    if best is None:
+        return None
+    name, grade, _ = _SIGNALS[best[0]]
+    return PodSignal(name=name, grade=grade, matched=best[1].group(0))

@@ -1,0 +1,89 @@
+"""Property tests: no input makes detection raise, and every event round-trips through its schema."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+import orjson
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pipeline.detect import Detector, classify_lines, prefilter
+from pipeline.parsing import match_pod_signal, normalize_pci, parse_kernel_line
+from schemas.records import FaultEvent, LogRecord
+
+T0 = datetime(2025, 1, 1, tzinfo=UTC)
+FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+# Fragments of real fault lines, so that random combinations reach deep into the parsers.
+FRAGMENTS = [
+    "NVRM: ", "Xid (", "PCI:", "0000:4e:00", "0000:c3:00.0", "): ", "79", "154", "149", "13", "74", ", ",
+    "pid=", "'<unknown>'", "name=", "<unknown>", "GPU has fallen off the bus.", "The NVIDIA GPU ",
+    "(PCI ID: 10de:26b5) ", "installed in this system has", "fallen off the bus and is not responding",
+    "GPU at PCI:", "GPU-bc0fa0b9-cac2-f507-b715-9bebdb69c71e", "nvidia-nvswitch0: ", "SXid (", "24007",
+    "Fatal", "Non-fatal", "Nonfatal", "Link ", "-1", "(0x021425c6 0x0", "Severity 0", "Data {", "\n",
+    "segfault at 7f ", "in libnccl.so.2[", "(GPC 1, TPC 2, SM 3)", "from 0x0 (None) to 0x", "ffffffff",
+    "\"", "[12.5] ", "kernel: ", "\x00", "\ufffd", "CUDA error: ", "uncorrectable ECC error encountered",
+    "NCCL error", "Watchdog caught collective operation timeout",
+]
+fault_like = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=8), max_size=25).map("".join)
+any_text = st.text(max_size=400) | fault_like | st.binary(max_size=300).map(lambda b: b.decode("utf-8", "replace"))
+
+
+def _roundtrip(events: list[FaultEvent]) -> None:
+    for event in events:
+        assert FaultEvent.from_bytes(event.to_bytes()) == event
+        assert orjson.loads(event.to_bytes())["id"] == event.id
+
+
+@FAST
+@given(lines=st.lists(any_text, max_size=12), source=st.sampled_from(["kernel", "pod", "probe"]))
+def test_detector_never_raises_and_events_roundtrip(lines: list[str], source: str) -> None:
+    detector = Detector()
+    events: list[FaultEvent] = []
+    for line in lines:
+        events += detector.process(LogRecord(node="n", source=source, ts=T0, line=line))
+        prefilter(line)
+        parse_kernel_line(line)
+        match_pod_signal(line)
+        normalize_pci(line)
+    events += detector.flush()
+    _roundtrip(events)
+
+
+@FAST
+@given(raw=st.binary(max_size=2000))
+def test_invalid_utf8_through_classify_lines(raw: bytes) -> None:
+    text = raw.decode("utf-8", "replace")
+    for source in ("kernel", "pod"):
+        _roundtrip([event for _, event in classify_lines(text.splitlines(), source=source)])
+
+
+@settings(max_examples=5, deadline=None)
+@given(filler=st.sampled_from(["a", "NVRM: ", "SXid (", "(", "0x0 ", "\"", "rror "]))
+def test_one_megabyte_lines(filler: str) -> None:
+    line = filler * (1_000_000 // len(filler))
+    tail = line + "NVRM: Xid (PCI:0000:01:00): 79, GPU has fallen off the bus."
+    detector = Detector()
+    for source in ("kernel", "pod", "probe"):
+        for text in (line, tail):
+            _roundtrip(detector.process(LogRecord(node="n", source=source, ts=T0, line=text)))
+
+
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=8), children, max_size=4),
+    max_leaves=15,
+)
+health_like = st.fixed_dictionaries(
+    {"node": st.text(max_size=5), "check": st.text(max_size=12) | st.integers(), "passed": st.booleans() | st.text()},
+    optional={"severity": st.text(max_size=8), "pci": st.text(max_size=15) | st.integers(),
+              "values": json_values, "gpu_index": json_values, "ts": st.text(max_size=30)},
+)
+
+
+@FAST
+@given(payload=json_values | health_like)
+def test_probe_json_of_the_wrong_shape(payload: object) -> None:
+    line = orjson.dumps(payload).decode()
+    _roundtrip(Detector().process(LogRecord(node="n", source="probe", ts=T0, line=line)))
