@@ -1,0 +1,84 @@
+"""``xidflow loki-tail``: bridge a Loki tail query into a Kafka topic."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+
+import click
+
+from pipeline.settings import KafkaSettings, TopicNames
+
+
+@click.command("loki-tail")
+@click.option("--loki-url", required=True, help="Loki base URL, e.g. http://loki:3100")
+@click.option("--query", "logql", required=True, help='LogQL stream selector, e.g. {job="kmsg"} |= "NVRM"')
+@click.option("--topic", default=None, help="Kafka topic to produce to [default: the kernel logs topic]")
+@click.option("--node-label", default="node", show_default=True, help="Stream label holding the node name")
+@click.option("--bootstrap", default=None, help="Kafka bootstrap servers [default: $KAFKA_BOOTSTRAP_SERVERS]")
+@click.option("--start-ns", type=int, default=None, help="First start (ns epoch) [default: Loki's, 1h ago]")
+@click.option(
+    "--delay-for",
+    type=click.IntRange(0, 5),
+    default=0,
+    show_default=True,
+    help="Seconds Loki waits to order late entries",
+)
+@click.option(
+    "--limit",
+    type=click.IntRange(1),
+    default=5000,
+    show_default=True,
+    help="Entries Loki replays on (re)connect",
+)
+@click.option("--org-id", default=None, help="X-Scope-OrgID header for multi-tenant Loki")
+@click.option("-v", "--verbose", is_flag=True)
+def loki_tail(
+    loki_url: str,
+    logql: str,
+    topic: str | None,
+    node_label: str,
+    bootstrap: str | None,
+    start_ns: int | None,
+    delay_for: int,
+    limit: int,
+    org_id: str | None,
+    verbose: bool,
+) -> None:
+    """Read Loki's /loki/api/v1/tail websocket and produce each entry to Kafka keyed by its node label."""
+    from pipeline.loki_tail import LokiRequestRejected, LokiTailBridge
+
+    logging.basicConfig(
+        level=logging.DEBUG if verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    topics = TopicNames()
+    try:
+        bridge = LokiTailBridge(
+            loki_url=loki_url,
+            query=logql,
+            topic=topic or topics.name("logs_kernel"),
+            bootstrap_servers=bootstrap or KafkaSettings().bootstrap_servers,
+            deadletter_topic=topics.name("deadletter"),
+            node_label=node_label,
+            start_ns=start_ns,
+            delay_for_s=delay_for,
+            limit=limit,
+            headers={"X-Scope-OrgID": org_id} if org_id else None,
+        )
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), param_hint="--loki-url") from exc
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        stats = await bridge.run(stop)
+        click.echo(f"stopped: {stats}", err=True)
+
+    try:
+        asyncio.run(main())
+    except LokiRequestRejected as exc:
+        raise click.ClickException(str(exc)) from exc
