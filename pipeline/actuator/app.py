@@ -1,0 +1,191 @@
+"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import logging
+from typing import Any
+
+from pipeline.actuator.audit import Auditor, NotifierLike, default_worker_id, make_record
+from pipeline.actuator.breaker import Admission, Breaker, DrainSlots
+from pipeline.actuator.consumer import ActuatorConsumer
+from pipeline.actuator.effects import now_rfc3339, object_name
+from pipeline.actuator.engine import Engine
+from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
+from pipeline.actuator.policy import PolicySet
+from pipeline.actuator.policystore import PolicyStore
+from pipeline.actuator.settings import ActuatorSettings
+from pipeline.settings import KafkaSettings, TopicNames
+from schemas.records import Outcome
+
+log = logging.getLogger("xidflow.actuator")
+
+
+def manual_only_from_api_settings() -> bool:
+    """The decision API's ``ApiSettings.manual_only`` (``XIDFLOW_API_MANUAL_ONLY``) when that module is present."""
+    try:
+        api = importlib.import_module("pipeline.actuator.api")
+        settings_cls = api.ApiSettings
+        return bool(settings_cls().manual_only)
+    except (ImportError, AttributeError, ValueError) as exc:
+        log.debug("ApiSettings not usable (%s); manual_only from XIDFLOW_ACTUATOR_MANUAL_ONLY only", exc)
+        return False
+
+
+def load_notifier() -> Any | None:
+    """``pipeline.actuator.notify.Notifier`` when present and webhooks are configured; None otherwise."""
+    try:
+        notify = importlib.import_module("pipeline.actuator.notify")
+    except ImportError:
+        return None
+    settings = notify.NotifySettings()
+    if not settings.webhooks:
+        return None
+    return notify.Notifier(settings)
+
+
+async def ensure_namespace(kube: Kube, namespace: str) -> None:
+    """Create the actuator's namespace when missing (deployments create it; RBAC may forbid looking)."""
+    try:
+        await kube._call(kube.core.read_namespace, namespace)
+    except Forbidden:
+        return
+    except NotFound:
+        try:
+            await kube._call(
+                kube.core.create_namespace, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+            )
+        except AlreadyExists:
+            pass
+
+
+class Actuator:
+    """One actuator replica."""
+
+    def __init__(
+        self,
+        settings: ActuatorSettings | None = None,
+        kafka: KafkaSettings | None = None,
+        topics: TopicNames | None = None,
+        kubeconfig: str | None = None,
+        policies: PolicySet | None = None,
+        notifier: NotifierLike | None = None,
+    ) -> None:
+        self.settings = settings or ActuatorSettings()
+        if not self.settings.worker_id:
+            self.settings = self.settings.model_copy(update={"worker_id": default_worker_id()})
+        if manual_only_from_api_settings():
+            self.settings = self.settings.model_copy(update={"manual_only": True})
+        self.kafka = kafka or KafkaSettings()
+        self.topics = topics or TopicNames()
+        self.kube = Kube.from_config(kubeconfig, self.settings.api_concurrency)
+        self.notifier = notifier if notifier is not None else load_notifier()
+        self.auditor = Auditor(self.kafka.bootstrap_servers, self.topics.name("remediation_audit"), self.notifier)
+        self.policies = PolicyStore(self.kube, self.settings, policies)
+        s = self.settings
+        self.breaker = Breaker(
+            self.kube,
+            s.namespace,
+            s.breaker_configmap,
+            s.gpu_node_selector,
+            s.breaker_max_share,
+            s.breaker_window_seconds,
+            s.fleet_cache_seconds,
+            on_trip=self._on_trip,
+        )
+        self.drains = DrainSlots(
+            self.kube, s.namespace, s.drains_configmap, s.max_concurrent_drains, s.claim_timeout_seconds
+        )
+        self.engine = Engine(self.kube, self.auditor, s, self.policies, self.breaker, self.drains)
+        self.consumer = ActuatorConsumer(
+            self.kafka.bootstrap_servers,
+            s.group_id,
+            self.topics.name("incidents"),
+            self.topics.name("remediation_requests"),
+            self.topics.name("deadletter"),
+            self.engine.handle,
+            s.max_in_flight,
+            s.commit_interval_seconds,
+        )
+        self._given_policies = policies is not None
+
+    async def _on_trip(self, admission: Admission, node: str) -> None:
+        """Audit the trip and raise a Warning Event on the breaker ConfigMap."""
+        s = self.settings
+        await self.auditor.emit(
+            make_record(
+                node=node,
+                flow_key=None,
+                action="breaker-trip",
+                outcome=Outcome.APPLIED,
+                reason=admission.reason,
+                worker_id=s.worker_id,
+            )
+        )
+        now = now_rfc3339()
+        body = {
+            "apiVersion": "v1",
+            "kind": "Event",
+            "metadata": {"name": object_name("xidflow-breaker", admission.reason, now), "namespace": s.namespace},
+            "involvedObject": {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": s.breaker_configmap,
+                "namespace": s.namespace,
+            },
+            "reason": "CircuitBreakerTripped",
+            "message": admission.reason[:1024],
+            "type": "Warning",
+            "source": {"component": "xidflow-actuator"},
+            "firstTimestamp": now,
+            "lastTimestamp": now,
+            "count": 1,
+        }
+        try:
+            await self.kube.create_event(s.namespace, body)
+        except AlreadyExists:
+            pass
+
+    async def start(self, consume: bool = True) -> None:
+        """Connect; ``consume=False`` readies only the engine (``self.engine.handle``), for tests and tools."""
+        await ensure_namespace(self.kube, self.settings.namespace)
+        if not self._given_policies:
+            await self.policies.refresh()
+        await self.auditor.start()
+        if self.notifier is not None and hasattr(self.notifier, "start"):
+            await self.notifier.start()
+        self._consuming = consume
+        if consume:
+            await self.consumer.start()
+
+    async def run(self) -> None:
+        await self.consumer.run()
+
+    async def stop(self) -> None:
+        if getattr(self, "_consuming", False):
+            await self.consumer.stop()
+        await self.auditor.stop()
+        if self.notifier is not None and hasattr(self.notifier, "stop"):
+            await self.notifier.stop()
+        self.kube.close()
+
+    async def run_forever(self, stop: asyncio.Event) -> None:
+        """Run until ``stop`` is set or the consumer gives up (a bug); then shut down cleanly.
+
+        A consumer that stopped on its own leaves its unfinished records uncommitted and the process
+        exits non-zero, so the orchestrator restarts it and the records are replayed, not skipped.
+        """
+        await self.start()
+        runner = asyncio.create_task(self.run())
+        stopper = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait({runner, stopper}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            stopper.cancel()
+            self.consumer._stopping.set()
+            failed = self.consumer.failed
+            await asyncio.gather(runner, return_exceptions=True)
+            await self.stop()
+        if failed or self.consumer.failed:
+            raise RuntimeError("the actuator consumer stopped after an unexpected error; see the log")

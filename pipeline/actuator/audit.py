@@ -1,0 +1,101 @@
+"""Audit: one RemediationRecord on ``gpu.remediation.audit`` per decision and per effect.
+
+``emit`` returns only once the broker has the record (acks=all, idempotent producer): the consumer
+commits an incident's offset only after its effects *and* their audit records are durable. The
+notifier (webhooks, ``pipeline.actuator.notify``), when configured, is told without waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+from datetime import datetime
+from typing import Any, Protocol
+
+from aiokafka import AIOKafkaProducer
+
+from schemas.records import NodeIncident, Outcome, RemediationRecord, stable_id, utcnow
+
+log = logging.getLogger("xidflow.actuator.audit")
+
+
+class NotifierLike(Protocol):
+    def notify(self, record: RemediationRecord | NodeIncident) -> None: ...
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}"
+
+
+def make_record(
+    *,
+    node: str,
+    flow_key: str | None,
+    action: str,
+    outcome: Outcome,
+    reason: str = "",
+    worker_id: str = "",
+    dry_run: bool = False,
+    started_at: datetime | None = None,
+    details: dict[str, Any] | None = None,
+) -> RemediationRecord:
+    """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe."""
+    return RemediationRecord(
+        record_id=stable_id("remediation", node, flow_key, action, outcome.value),
+        node=node,
+        incident_id=flow_key,
+        action=action,
+        outcome=outcome,
+        reason=reason,
+        started_at=started_at or utcnow(),
+        finished_at=utcnow(),
+        worker_id=worker_id,
+        dry_run=dry_run,
+        details=details or {},
+    )
+
+
+class Auditor:
+    """Publishes audit records durably and hands them to the notifier."""
+
+    def __init__(self, bootstrap_servers: str, topic: str, notifier: NotifierLike | None = None) -> None:
+        self.topic = topic
+        self.notifier = notifier
+        self.bootstrap_servers = bootstrap_servers
+        self._producer: AIOKafkaProducer | None = None
+
+    async def start(self) -> None:
+        self._producer = AIOKafkaProducer(
+            bootstrap_servers=self.bootstrap_servers,
+            acks="all",
+            enable_idempotence=True,
+            linger_ms=5,
+            request_timeout_ms=30000,
+        )
+        await self._producer.start()
+
+    async def stop(self) -> None:
+        if self._producer is not None:
+            await self._producer.stop()
+
+    async def emit(self, record: RemediationRecord) -> None:
+        assert self._producer is not None, "Auditor.start() first"
+        await self._producer.send_and_wait(self.topic, record.to_bytes(), key=record.node.encode())
+        log.info(
+            "%s %s %s %s %s",
+            record.node,
+            record.incident_id,
+            record.action,
+            record.outcome.value,
+            record.reason,
+        )
+        self.tell(record)
+
+    def tell(self, record: RemediationRecord | NodeIncident) -> None:
+        if self.notifier is None:
+            return
+        try:
+            self.notifier.notify(record)
+        except Exception:  # a broken notifier must never stop remediation
+            log.exception("notifier failed for %s", getattr(record, "node", "?"))

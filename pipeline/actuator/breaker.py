@@ -1,0 +1,242 @@
+"""Safety rails shared by every replica: the quarantine circuit breaker and cluster-wide drain slots.
+
+Both keep their state in a ConfigMap written with its resourceVersion (optimistic concurrency), so
+all replicas see one breaker and one drain budget. The decisions are pure functions over that
+state; ``Breaker`` batches concurrent admissions into one read-modify-write so that a storm of
+incidents costs a few ConfigMap writes, not one per node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import orjson
+
+from pipeline.actuator.kube import AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
+
+T = TypeVar("T")
+STATE_KEY = "state"
+MANAGED_LABEL = {"app.kubernetes.io/managed-by": "xidflow"}
+
+
+async def update_json_configmap(
+    kube: Kube, namespace: str, name: str, mutate: Callable[[dict[str, Any]], T], attempts: int = 100
+) -> T:
+    """Read-modify-write of the JSON in a ConfigMap; retried on 409 with fresh state.
+
+    ``mutate`` changes the state in place and returns a result; it may run several times.
+    """
+    for _ in range(attempts):
+        try:
+            cm = await kube.get_configmap(namespace, name)
+        except NotFound:
+            cm = None
+        raw = ((cm or {}).get("data") or {}).get(STATE_KEY) or "{}"
+        state = orjson.loads(raw)
+        result = mutate(state)
+        new_raw = orjson.dumps(state, option=orjson.OPT_SORT_KEYS).decode()
+        if cm is not None and new_raw == raw:
+            return result
+        try:
+            if cm is None:
+                body = {
+                    "apiVersion": "v1",
+                    "kind": "ConfigMap",
+                    "metadata": {"name": name, "namespace": namespace, "labels": MANAGED_LABEL},
+                    "data": {STATE_KEY: new_raw},
+                }
+                await kube.create_configmap(namespace, body)
+            else:
+                cm["data"] = {**(cm.get("data") or {}), STATE_KEY: new_raw}
+                await kube.replace_configmap(namespace, name, cm)
+            return result
+        except (Conflict, AlreadyExists):
+            await asyncio.sleep(random.uniform(0.005, 0.05))
+    raise KubeUnavailable(f"ConfigMap {namespace}/{name}: gave up after {attempts} conflicting writes")
+
+
+async def read_json_configmap(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
+    try:
+        cm = await kube.get_configmap(namespace, name)
+    except NotFound:
+        return {}
+    return orjson.loads(((cm.get("data") or {}).get(STATE_KEY)) or "{}")
+
+
+# -- breaker -------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Admission:
+    allowed: bool
+    reason: str = ""
+    tripped_now: bool = False
+
+
+def decide_admissions(
+    state: dict[str, Any], nodes: list[str], fleet_size: int, max_share: float, window: float, now: float
+) -> dict[str, Admission]:
+    """Admit nodes into quarantine while the share quarantined in the window stays <= max_share.
+
+    A node already admitted in the window is admitted again for free (the cordon, the taint and a
+    redelivery count once). The first node that would cross the threshold trips the breaker; only
+    a person resets it.
+    """
+    admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
+    state["admitted"] = admitted
+    fleet = max(fleet_size, 1)
+    out: dict[str, Admission] = {}
+    for node in nodes:
+        if state.get("tripped"):
+            out[node] = Admission(False, f"breaker open: {state.get('reason', '')}")
+        elif node in admitted:
+            out[node] = Admission(True)
+        elif (len(admitted) + 1) / fleet > max_share:
+            state["tripped"] = True
+            state["tripped_at"] = now
+            state["reason"] = (
+                f"quarantining {node} would put {len(admitted) + 1} of {fleet} GPU nodes "
+                f"({(len(admitted) + 1) / fleet:.0%}) in quarantine within {window:g}s; limit {max_share:.0%}"
+            )
+            state["tripped_by"] = node
+            out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
+        else:
+            admitted[node] = now
+            out[node] = Admission(True)
+    return out
+
+
+class Breaker:
+    """The circuit breaker on the share of GPU nodes quarantined within a window."""
+
+    def __init__(
+        self,
+        kube: Kube,
+        namespace: str,
+        name: str,
+        fleet_selector: str,
+        max_share: float,
+        window: float,
+        fleet_cache_seconds: float = 10,
+        on_trip: Callable[[Admission, str], Awaitable[None]] | None = None,
+    ) -> None:
+        self.kube, self.namespace, self.name = kube, namespace, name
+        self.fleet_selector, self.max_share, self.window = fleet_selector, max_share, window
+        self.fleet_cache_seconds = fleet_cache_seconds
+        self.on_trip = on_trip
+        self._fleet: tuple[float, int] | None = None
+        self._pending: list[tuple[str, asyncio.Future[Admission]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def fleet_size(self) -> int:
+        now = time.monotonic()
+        if self._fleet is None or now - self._fleet[0] > self.fleet_cache_seconds:
+            nodes = await self.kube.list_nodes(self.fleet_selector)
+            self._fleet = (now, len(nodes))
+        return self._fleet[1]
+
+    async def admit(self, node: str) -> Admission:
+        fut: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
+        self._pending.append((node, fut))
+        if self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())
+        return await fut
+
+    async def _flush(self) -> None:
+        while self._pending:
+            batch, self._pending = self._pending, []
+            nodes = list(dict.fromkeys(n for n, _ in batch))
+            try:
+                fleet = await self.fleet_size()
+                decisions = await update_json_configmap(
+                    self.kube,
+                    self.namespace,
+                    self.name,
+                    lambda s, nodes=nodes, fleet=fleet: decide_admissions(
+                        s, nodes, fleet, self.max_share, self.window, time.time()
+                    ),
+                )
+            except Exception as exc:  # every waiter must learn of the failure, none may hang
+                for _, fut in batch:
+                    if not fut.done():
+                        fut.set_exception(exc)
+                continue
+            for node, decision in decisions.items():
+                if decision.tripped_now and self.on_trip is not None:
+                    await self.on_trip(decision, node)
+            for node, fut in batch:
+                if not fut.done():
+                    fut.set_result(decisions[node])
+
+    async def status(self) -> dict[str, Any]:
+        state = await read_json_configmap(self.kube, self.namespace, self.name)
+        now = time.time()
+        admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= self.window}
+        return {
+            "tripped": bool(state.get("tripped")),
+            "reason": state.get("reason", ""),
+            "tripped_at": state.get("tripped_at"),
+            "quarantined_in_window": len(admitted),
+            "fleet_size": await self.fleet_size(),
+            "max_share": self.max_share,
+            "window_seconds": self.window,
+            "reset_by": state.get("reset_by"),
+            "reset_at": state.get("reset_at"),
+        }
+
+    async def reset(self, by: str) -> bool:
+        """Close the breaker and forget the window. True when it was open."""
+
+        def mutate(state: dict[str, Any]) -> bool:
+            was = bool(state.get("tripped"))
+            state.update({"tripped": False, "reason": "", "admitted": {}, "reset_by": by, "reset_at": time.time()})
+            state.pop("tripped_at", None)
+            return was
+
+        return await update_json_configmap(self.kube, self.namespace, self.name, mutate)
+
+
+# -- drain slots -------------------------------------------------------------------------------------------
+def take_drain_slot(state: dict[str, Any], node: str, worker: str, limit: int, stale_after: float, now: float) -> bool:
+    slots = {n: s for n, s in (state.get("slots") or {}).items() if now - float(s.get("at", 0)) <= stale_after}
+    state["slots"] = slots
+    if node in slots:
+        slots[node] = {"by": worker, "at": now}
+        return True
+    if len(slots) >= limit:
+        return False
+    slots[node] = {"by": worker, "at": now}
+    return True
+
+
+class DrainSlots:
+    """A cluster-wide cap on nodes draining at once."""
+
+    def __init__(self, kube: Kube, namespace: str, name: str, limit: int, stale_after: float) -> None:
+        self.kube, self.namespace, self.name = kube, namespace, name
+        self.limit, self.stale_after = limit, stale_after
+
+    async def acquire(self, node: str, worker: str, poll: float = 1.0) -> None:
+        while True:
+            taken = await update_json_configmap(
+                self.kube,
+                self.namespace,
+                self.name,
+                lambda s: take_drain_slot(s, node, worker, self.limit, self.stale_after, time.time()),
+            )
+            if taken:
+                return
+            # Another replica's drain must finish; its slot lives in the API server, not in this process.
+            await asyncio.sleep(poll * random.uniform(0.5, 1.5))
+
+    async def release(self, node: str) -> None:
+        def mutate(state: dict[str, Any]) -> None:
+            (state.get("slots") or {}).pop(node, None)
+
+        await update_json_configmap(self.kube, self.namespace, self.name, mutate)
+
+    async def holders(self) -> dict[str, Any]:
+        return (await read_json_configmap(self.kube, self.namespace, self.name)).get("slots") or {}

@@ -1,0 +1,254 @@
+"""The actuator's Kafka side: a consumer group on incidents and rescue requests.
+
+Records of one node are handled in order, one at a time (one in-flight flow per node); different
+nodes are handled concurrently. An offset is committed only when it and every earlier offset of its
+partition are done - their effects applied and their audit records acknowledged - so a crash
+replays, never skips (the effects are idempotent). Undecodable records go to the dead-letter topic
+before their offset counts as done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections import defaultdict
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
+from pydantic import ValidationError
+
+from pipeline.actuator.requests import RescueActionRequest
+from schemas.records import DeadLetter, NodeIncident, NodeRecovered
+
+log = logging.getLogger("xidflow.actuator.consumer")
+
+
+class OffsetTracker:
+    """Per partition: offsets handed out and not yet done; what may be committed. Pure."""
+
+    def __init__(self) -> None:
+        self._pending: dict[TopicPartition, set[int]] = defaultdict(set)
+        self._highest: dict[TopicPartition, int] = {}
+        self._committed: dict[TopicPartition, int] = {}
+
+    def started(self, tp: TopicPartition, offset: int) -> None:
+        self._pending[tp].add(offset)
+        self._highest[tp] = max(self._highest.get(tp, -1), offset)
+
+    def done(self, tp: TopicPartition, offset: int) -> None:
+        self._pending[tp].discard(offset)
+
+    @property
+    def in_flight(self) -> int:
+        return sum(len(p) for p in self._pending.values())
+
+    def committable(self) -> dict[TopicPartition, int]:
+        """Next offset to commit per partition, only where it moved: the lowest pending, else highest + 1."""
+        out: dict[TopicPartition, int] = {}
+        for tp, highest in self._highest.items():
+            pending = self._pending.get(tp)
+            nxt = min(pending) if pending else highest + 1
+            if nxt > self._committed.get(tp, -1):
+                out[tp] = nxt
+        return out
+
+    def mark_committed(self, offsets: dict[TopicPartition, int]) -> None:
+        self._committed.update(offsets)
+
+    def forget(self, tps: list[TopicPartition]) -> None:
+        for tp in tps:
+            self._pending.pop(tp, None)
+            self._highest.pop(tp, None)
+            self._committed.pop(tp, None)
+
+
+def decode_record(topic_kind: str, value: bytes) -> Any:
+    """An incident-topic record (by its ``type``) or a rescue request; raises ValueError if neither."""
+    try:
+        data = orjson.loads(value)
+    except orjson.JSONDecodeError as exc:
+        raise ValueError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise ValueError("not a JSON object")
+    try:
+        if topic_kind == "requests":
+            return RescueActionRequest.model_validate(data)
+        kind = data.get("type")
+        if kind == "incident":
+            return NodeIncident.model_validate(data)
+        if kind == "recovered":
+            return NodeRecovered.model_validate(data)
+    except ValidationError as exc:
+        raise ValueError(f"invalid {data.get('type')}: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
+    raise ValueError(f"unknown record type {data.get('type')!r}")
+
+
+def node_of(record: Any) -> str:
+    return getattr(record, "node", None) or record.node_name
+
+
+class ActuatorConsumer:
+    """Reads both topics in one group and dispatches records to one worker task per node."""
+
+    def __init__(
+        self,
+        bootstrap_servers: str,
+        group_id: str,
+        incidents_topic: str,
+        requests_topic: str,
+        deadletter_topic: str,
+        handle: Callable[[Any], Awaitable[None]],
+        max_in_flight: int = 5000,
+        commit_interval: float = 0.5,
+    ) -> None:
+        self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
+        self.deadletter_topic = deadletter_topic
+        self.handle = handle
+        self.max_in_flight = max_in_flight
+        self.commit_interval = commit_interval
+        self.bootstrap_servers, self.group_id = bootstrap_servers, group_id
+        self.consumer: AIOKafkaConsumer | None = None
+        self.producer: AIOKafkaProducer | None = None
+        self.tracker = OffsetTracker()
+        self._queues: dict[str, asyncio.Queue[tuple[TopicPartition, int, Any]]] = {}
+        self._workers: dict[str, asyncio.Task[None]] = {}
+        self._commit_lock = asyncio.Lock()
+        self._stopping = asyncio.Event()
+        self.processed = 0
+        self.failed = False
+
+    async def start(self) -> None:
+        # Clients are made here, not in __init__: aiokafka binds them to the running loop.
+        self.consumer = AIOKafkaConsumer(
+            bootstrap_servers=self.bootstrap_servers,
+            group_id=self.group_id,
+            enable_auto_commit=False,
+            auto_offset_reset="earliest",
+            max_poll_records=1000,
+            # New topics (and partitions) are noticed within seconds, not the 5-minute default.
+            metadata_max_age_ms=5000,
+        )
+        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True)
+        await self.producer.start()
+        await self.consumer.start()
+        self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        if not self.failed:  # a failed record never finishes: do not wait for it
+            await self.drain(timeout_s=30)
+        await self.commit()
+        for task in self._workers.values():
+            task.cancel()
+        await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        await self.consumer.stop()
+        await self.producer.stop()
+
+    async def run(self) -> None:
+        """Fetch, dispatch and commit until ``stop``."""
+        committer = asyncio.create_task(self._commit_loop())
+        try:
+            while not self._stopping.is_set():
+                if self.tracker.in_flight >= self.max_in_flight:
+                    # Backpressure: stop fetching until workers catch up.
+                    await asyncio.sleep(0.05)
+                    continue
+                batches = await self.consumer.getmany(timeout_ms=200, max_records=1000)
+                for tp, messages in batches.items():
+                    for msg in messages:
+                        await self._dispatch(tp, msg)
+        finally:
+            committer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await committer
+
+    async def _dispatch(self, tp: TopicPartition, msg: Any) -> None:
+        self.tracker.started(tp, msg.offset)
+        try:
+            record = decode_record(self.topics[tp.topic], msg.value)
+        except ValueError as exc:
+            letter = DeadLetter.of(
+                "actuator",
+                str(exc),
+                msg.value,
+                topic=tp.topic,
+                partition=tp.partition,
+                offset=msg.offset,
+                key=msg.key.decode("utf-8", "replace") if msg.key else None,
+            )
+            await self.producer.send_and_wait(self.deadletter_topic, letter.to_bytes(), key=msg.key)
+            self.tracker.done(tp, msg.offset)
+            return
+        node = node_of(record)
+        queue = self._queues.get(node)
+        if queue is None:
+            queue = self._queues[node] = asyncio.Queue()
+            self._workers[node] = asyncio.create_task(self._node_worker(node, queue))
+        queue.put_nowait((tp, msg.offset, record))
+
+    async def _node_worker(self, node: str, queue: asyncio.Queue[tuple[TopicPartition, int, Any]]) -> None:
+        while True:
+            try:
+                tp, offset, record = await asyncio.wait_for(queue.get(), timeout=60)
+            except TimeoutError:
+                if queue.empty():  # idle node: free its task; a later record starts a new one
+                    self._queues.pop(node, None)
+                    self._workers.pop(node, None)
+                    return
+                continue
+            try:
+                await self.handle(record)
+            except Exception:
+                # Unexpected bug: the record is retried by the next consumer after a restart, not skipped.
+                log.exception("handling %s for %s failed; not committing it", record.type, node)
+                self.failed = True
+                self._stopping.set()
+                raise
+            self.tracker.done(tp, offset)
+            self.processed += 1
+
+    async def commit(self) -> None:
+        async with self._commit_lock:
+            offsets = self.tracker.committable()
+            if not offsets:
+                return
+            assigned = self.consumer.assignment()
+            offsets = {tp: o for tp, o in offsets.items() if tp in assigned}
+            if offsets:
+                await self.consumer.commit(offsets)
+                self.tracker.mark_committed(offsets)
+
+    async def _commit_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.commit_interval)
+            try:
+                await self.commit()
+            except Exception:
+                log.exception("offset commit failed; will retry")
+
+    async def drain(self, timeout_s: float) -> None:
+        """Wait until nothing is in flight (bounded)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        # Polling a counter is simpler than signalling from every completion, and this runs only
+        # at shutdown and rebalance.
+        while self.tracker.in_flight and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
+
+
+class _Rebalance(ConsumerRebalanceListener):
+    def __init__(self, owner: ActuatorConsumer) -> None:
+        self.owner = owner
+
+    async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        # Finish what we started and commit it, so the next owner does not replay much.
+        await self.owner.drain(timeout_s=20)
+        with contextlib.suppress(Exception):
+            await self.owner.commit()
+        self.owner.tracker.forget(list(revoked))
+
+    async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
+        return None

@@ -1,0 +1,363 @@
+"""The effects on the cluster, one function each.
+
+Node-object effects (cordon, taint, uncordon, reboot annotation) are pure changes on a NodeView and
+its Ledger: the engine writes the change and the ledger in one conditional patch, so the effect and
+its record land together or not at all. The other effects (condition, Event, drain, hooks, standby)
+do their own I/O through ``Kube`` and are made idempotent by deterministic names or claims.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import random
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import aiohttp
+import yaml
+
+from pipeline.actuator.kube import AlreadyExists, Kube, NotFound, TooManyRequests
+from pipeline.actuator.ownership import (
+    CORDON,
+    REBOOT_REQUEST_ANNOTATION,
+    STANDBY_FOR_ANNOTATION,
+    Ledger,
+    taint_effect_key,
+)
+from pipeline.actuator.plan import NodeView
+from pipeline.actuator.policy import ActionSpec
+from schemas.records import stable_id
+
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+EVENT_NAMESPACE = "default"  # Events about cluster-scoped Nodes live in "default", as the kubelet's do.
+DEFAULT_DRAIN_TIMEOUT = 300.0
+DEFAULT_REBOOT_TIMEOUT = 1800.0
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def object_name(prefix: str, *parts: object, length: int = 16) -> str:
+    """A DNS-safe deterministic name: the same flow and step give the same object on every replica."""
+    return f"{prefix}-{stable_id(*parts)[:length]}"
+
+
+@dataclass
+class NodeChange:
+    """What one node-object effect changes: spec fields, extra annotations, and a note for the audit."""
+
+    spec: dict[str, Any] = field(default_factory=dict)
+    annotations: dict[str, str | None] = field(default_factory=dict)
+    note: str = ""
+
+
+# -- pure node-object effects -------------------------------------------------------------------------
+def cordon_change(view: NodeView, ledger: Ledger, flow_key: str) -> NodeChange:
+    if view.unschedulable:
+        if ledger.owners(CORDON):
+            ledger.own(CORDON, flow_key)  # xidflow's own cordon, now also needed by this flow
+            return NodeChange(note="already cordoned by xidflow")
+        # Someone else cordoned the node: we do not own that cordon and will never undo it.
+        return NodeChange(note="already cordoned by someone else; not owned")
+    ledger.own(CORDON, flow_key)
+    return NodeChange(spec={"unschedulable": True})
+
+
+def uncordon_change(view: NodeView, ledger: Ledger, flow_key: str) -> NodeChange:
+    owners = ledger.owners(CORDON)
+    if not view.unschedulable:
+        ledger.owned.pop(CORDON, None)
+        return NodeChange(note="already schedulable")
+    if not owners:
+        return NodeChange(note="cordon not made by xidflow; left in place")
+    if set(owners) - {flow_key}:
+        ledger.disown(CORDON, flow_key)
+        return NodeChange(note=f"cordon still needed by {sorted(set(owners) - {flow_key})}")
+    ledger.owned.pop(CORDON, None)
+    return NodeChange(spec={"unschedulable": False})
+
+
+def taint_change(view: NodeView, ledger: Ledger, flow_key: str, key: str, value: str, effect: str) -> NodeChange:
+    effect_key = taint_effect_key(key, effect)
+    present = [t for t in view.taints if t.get("key") == key and t.get("effect") == effect]
+    if present:
+        if ledger.owners(effect_key):
+            ledger.own(effect_key, flow_key)
+            return NodeChange(note="taint already applied by xidflow")
+        return NodeChange(note="taint already present, not made by xidflow; not owned")
+    ledger.own(effect_key, flow_key)
+    taints = [dict(t) for t in view.taints] + [
+        {"key": key, "value": value, "effect": effect, "timeAdded": now_rfc3339()}
+    ]
+    return NodeChange(spec={"taints": taints})
+
+
+def remove_taints_change(view: NodeView, remove: list[tuple[str, str]]) -> NodeChange:
+    keep = [dict(t) for t in view.taints if (t.get("key"), t.get("effect")) not in set(remove)]
+    if len(keep) == len(view.taints):
+        return NodeChange(note="taints already gone")
+    return NodeChange(spec={"taints": keep})
+
+
+def reboot_annotation_change(flow_key: str) -> NodeChange:
+    # An external reboot daemon watches this annotation, reboots, and removes it.
+    return NodeChange(annotations={REBOOT_REQUEST_ANNOTATION: flow_key})
+
+
+# -- conditions and Events ---------------------------------------------------------------------------------
+async def set_condition(
+    kube: Kube,
+    node: str,
+    condition_type: str,
+    status: bool,
+    reason: str,
+    message: str,
+    resource_version: str | None = None,
+) -> dict[str, Any]:
+    """Set one NodeCondition through the status subresource; other conditions are left untouched.
+
+    With ``resource_version`` the write is conditional (409 when the Node changed since).
+    """
+    now = now_rfc3339()
+    cond = {
+        "type": condition_type,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message[:1024],
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+    body: dict[str, Any] = {"status": {"conditions": [cond]}}
+    if resource_version:
+        body["metadata"] = {"resourceVersion": resource_version}
+    return await kube.patch_node_status(node, body)
+
+
+async def create_node_event(
+    kube: Kube, node: NodeView, name: str, reason: str, message: str, event_type: str = "Warning"
+) -> bool:
+    """Create the Event once: False when an Event of that deterministic name already exists."""
+    now = now_rfc3339()
+    body = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"name": name, "namespace": EVENT_NAMESPACE},
+        "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.name},
+        "reason": reason,
+        "message": message[:1024],
+        "type": event_type,
+        "source": {"component": "xidflow-actuator"},
+        "firstTimestamp": now,
+        "lastTimestamp": now,
+        "count": 1,
+        "reportingComponent": "xidflow.dev/actuator",
+        "reportingInstance": "xidflow-actuator",
+    }
+    try:
+        await kube.create_event(EVENT_NAMESPACE, body)
+    except AlreadyExists:
+        return False
+    return True
+
+
+# -- drain ---------------------------------------------------------------------------------------------------
+@dataclass
+class DrainResult:
+    evicted: list[str] = field(default_factory=list)
+    forced: list[str] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+    left_alone: list[str] = field(default_factory=list)
+    ok: bool = True
+    reason: str = ""
+
+
+def drain_candidates(pods: list[Mapping[str, Any]], excluded: set[str]) -> tuple[list[Mapping[str, Any]], list[str]]:
+    """Pods to evict, and the ones left alone (DaemonSet, mirror, excluded namespace, finished)."""
+    evict: list[Mapping[str, Any]] = []
+    alone: list[str] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        ref = f"{meta.get('namespace')}/{meta.get('name')}"
+        owners = meta.get("ownerReferences") or []
+        phase = (pod.get("status") or {}).get("phase")
+        if (
+            any(o.get("kind") == "DaemonSet" for o in owners)
+            or MIRROR_ANNOTATION in (meta.get("annotations") or {})
+            or meta.get("namespace") in excluded
+        ):
+            alone.append(ref)
+        elif phase not in ("Succeeded", "Failed"):
+            evict.append(pod)
+    return evict, alone
+
+
+async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.0) -> DrainResult:
+    """Evict every pod that may go, honouring PDBs (429 -> backoff), then force only if allowed."""
+    start = time.monotonic()
+    timeout = spec.timeout or DEFAULT_DRAIN_TIMEOUT
+    excluded = set(spec.excluded_namespaces)
+    result = DrainResult()
+    backoff = 0.25
+    while True:
+        pods, result.left_alone = drain_candidates(await kube.list_pods_on_node(node), excluded)
+        if not pods:
+            result.ok = True
+            result.blocked = []
+            return result
+        elapsed = time.monotonic() - start
+        force = spec.force_after is not None and elapsed >= spec.force_after
+        blocked: list[str] = []
+
+        async def one(pod: Mapping[str, Any], force: bool = force, blocked: list[str] = blocked) -> None:
+            meta = pod["metadata"]
+            ns, name = meta["namespace"], meta["name"]
+            grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+            if spec.grace_period_cap is not None:
+                grace = min(grace if grace is not None else 30, spec.grace_period_cap)
+            try:
+                if force:
+                    await kube.delete_pod(ns, name, 0)
+                    result.forced.append(f"{ns}/{name}")
+                elif meta.get("deletionTimestamp"):
+                    blocked.append(f"{ns}/{name} (terminating)")
+                else:
+                    await kube.evict_pod(ns, name, grace)
+                    result.evicted.append(f"{ns}/{name}")
+            except TooManyRequests:
+                blocked.append(f"{ns}/{name}")
+            except NotFound:
+                pass
+
+        await asyncio.gather(*(one(p) for p in pods))
+        result.blocked = blocked
+        if time.monotonic() - start >= timeout:
+            result.ok = False
+            result.reason = f"drain timed out after {timeout:g}s; blocked: {', '.join(blocked[:10])}"
+            return result
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, max_backoff)
+
+
+# -- reboot and GPU reset hooks ------------------------------------------------------------------------------
+DEFAULT_REBOOT_JOB = """
+apiVersion: batch/v1
+kind: Job
+spec:
+  backoffLimit: 0
+  ttlSecondsAfterFinished: 3600
+  template:
+    spec:
+      restartPolicy: Never
+      hostPID: true
+      tolerations: [{operator: Exists}]
+      containers:
+      - name: reboot
+        image: busybox:1.36
+        command: ["nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--", "systemctl", "reboot"]
+        securityContext: {privileged: true}
+"""
+
+DEFAULT_RESET_JOB = """
+apiVersion: batch/v1
+kind: Job
+spec:
+  backoffLimit: 0
+  ttlSecondsAfterFinished: 3600
+  template:
+    spec:
+      restartPolicy: Never
+      hostPID: true
+      tolerations: [{operator: Exists}]
+      containers:
+      - name: gpu-reset
+        image: nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04
+        command: ["nvidia-smi", "--gpu-reset"]
+        securityContext: {privileged: true}
+"""
+
+
+def render_job(template: Mapping[str, Any] | str, name: str, namespace: str, node: str, labels: dict[str, str]) -> dict:
+    """A hook Job pinned to the node (spec.nodeName) with a deterministic name."""
+    job = copy.deepcopy(yaml.safe_load(template) if isinstance(template, str) else dict(template))
+    job.setdefault("apiVersion", "batch/v1")
+    job.setdefault("kind", "Job")
+    meta = job.setdefault("metadata", {})
+    meta.update({"name": name, "namespace": namespace})
+    meta.setdefault("labels", {}).update(labels)
+    pod_spec = job.setdefault("spec", {}).setdefault("template", {}).setdefault("spec", {})
+    pod_spec["nodeName"] = node
+    pod_spec.setdefault("restartPolicy", "Never")
+    return job
+
+
+async def create_hook_job(kube: Kube, job: dict[str, Any]) -> bool:
+    try:
+        await kube.create_job(job["metadata"]["namespace"], job)
+    except AlreadyExists:
+        return False
+    return True
+
+
+async def call_webhook(url: str, payload: dict[str, Any], idempotency_key: str, limit_s: float = 10) -> int:
+    """POST the reboot request; the receiver dedupes on the Idempotency-Key header."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s)) as session:
+        async with session.post(url, json=payload, headers={"Idempotency-Key": idempotency_key}) as resp:
+            resp.raise_for_status()
+            return resp.status
+
+
+async def wait_for_reboot(
+    kube: Kube, node: str, boot_id_before: str, limit_s: float, poll: float = 1.0
+) -> tuple[bool, NodeView]:
+    """Wait until the Node is Ready with a bootID different from the one before the reboot."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        view = NodeView.from_object(await kube.get_node(node))
+        if view.ready and view.boot_id and view.boot_id != boot_id_before:
+            return True, view
+        if time.monotonic() >= deadline:
+            return False, view
+        await asyncio.sleep(poll)
+
+
+async def wait_for_job(kube: Kube, namespace: str, name: str, limit_s: float, poll: float = 1.0) -> bool | None:
+    """True when the Job succeeded, False when it failed, None on timeout."""
+    deadline = time.monotonic() + limit_s
+    while True:
+        status = (await kube.get_job(namespace, name)).get("status") or {}
+        if status.get("succeeded"):
+            return True
+        conditions = status.get("conditions") or []
+        if any(c.get("type") == "Failed" and c.get("status") == "True" for c in conditions):
+            return False
+        if time.monotonic() >= deadline:
+            return None
+        await asyncio.sleep(poll)
+
+
+# -- warm standby ---------------------------------------------------------------------------------------
+def _has_labels(labels: Mapping[str, str], wanted: Mapping[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in wanted.items())
+
+
+def choose_standby(
+    standby_nodes: list[Mapping[str, Any]],
+    target_label_sets: list[dict[str, str]],
+    rng: random.Random | None = None,
+) -> str | None:
+    """A cordoned standby node: random among those matching a target label set, else any standby."""
+    rng = rng or random.Random()
+    idle = [NodeView.from_object(n) for n in standby_nodes]
+    idle = [v for v in idle if v.unschedulable]
+    matching = [v.name for v in idle if any(_has_labels(v.labels, t) for t in target_label_sets)]
+    pool = sorted(matching) or sorted(v.name for v in idle)
+    return rng.choice(pool) if pool else None
+
+
+def standby_change(view: NodeView, origin: str, flow_key: str) -> NodeChange:
+    return NodeChange(spec={"unschedulable": False}, annotations={STANDBY_FOR_ANNOTATION: f"{origin}/{flow_key}"})

@@ -1,0 +1,258 @@
+"""Every Kubernetes API call the actuator makes, behind one small class.
+
+The official client is synchronous; calls run in a bounded thread pool so that many nodes are
+handled at once without blocking the event loop. Responses are read raw and parsed with orjson
+(``_preload_content=False``): the client's model deserialisation would cost more than the call.
+Errors are mapped to a few exception types the engine decides on (conflict, gone, throttled,
+forbidden, unavailable).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextvars
+import functools
+import heapq
+import itertools
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+
+import orjson
+import urllib3
+from kubernetes import client, config
+from kubernetes.client.exceptions import ApiException
+
+T = TypeVar("T")
+
+MERGE_PATCH = "application/merge-patch+json"
+STRATEGIC_PATCH = "application/strategic-merge-patch+json"
+
+
+class KubeError(Exception):
+    def __init__(self, status: int, reason: str, message: str) -> None:
+        super().__init__(f"{status} {reason}: {message}")
+        self.status = status
+        self.reason = reason
+        self.message = message
+
+
+class Conflict(KubeError):
+    """409 on update: the object changed since it was read (resourceVersion precondition)."""
+
+
+class AlreadyExists(KubeError):
+    """409 on create: an object of that name exists (our deterministic names make this 'done')."""
+
+
+class NotFound(KubeError):
+    pass
+
+
+class TooManyRequests(KubeError):
+    """429: for evictions, a PodDisruptionBudget refuses the disruption now."""
+
+
+class Forbidden(KubeError):
+    pass
+
+
+class Invalid(KubeError):
+    """422 (or 400): the request itself is wrong; retrying will not help."""
+
+
+class KubeUnavailable(Exception):
+    """The API server could not be reached or answered 5xx: retry later, skip nothing."""
+
+
+def _map_error(exc: ApiException) -> Exception:
+    status = exc.status or 0
+    reason, message = "", str(exc.reason or "")
+    if exc.body:
+        try:
+            body = orjson.loads(exc.body)
+            reason, message = body.get("reason", "") or "", body.get("message", message) or message
+        except (orjson.JSONDecodeError, AttributeError):
+            pass
+    if status == 0 or status >= 500:
+        return KubeUnavailable(f"{status} {reason}: {message}")
+    if status == 409:
+        return (AlreadyExists if reason == "AlreadyExists" else Conflict)(status, reason, message)
+    mapping: dict[int, type[KubeError]] = {
+        404: NotFound,
+        429: TooManyRequests,
+        403: Forbidden,
+        401: Forbidden,
+    }
+    return mapping.get(status, Invalid)(status, reason, message)
+
+
+API_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("xidflow_api_priority", default=1)
+"""Priority of the API calls made in this context: 0 goes first. The engine sets 0 while it takes a node
+out of scheduling, so that in a storm every node is quarantined before Events and conditions are written."""
+
+
+class PriorityLimiter:
+    """A semaphore whose waiters are served lowest priority number first, FIFO within a priority."""
+
+    def __init__(self, limit: int) -> None:
+        self._free = limit
+        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._seq = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self._free > 0 and not self._waiters:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiters, (priority, next(self._seq), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # we were handed the slot just as we were cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiters:
+            _, _, fut = heapq.heappop(self._waiters)
+            if not fut.done():
+                fut.set_result(None)
+                return
+        self._free += 1
+
+
+class Kube:
+    """Async facade over the sync client: one method per call the actuator needs."""
+
+    def __init__(
+        self, api_client: client.ApiClient, concurrency: int = 32, request_timeout: tuple[float, float] = (5, 60)
+    ) -> None:
+        self.api_client = api_client
+        api_client.configuration.connection_pool_maxsize = max(concurrency, 4)
+        # The pool was built with the old size when the client was made; rebuild it.
+        api_client.rest_client = type(api_client.rest_client)(api_client.configuration)
+        self.core = client.CoreV1Api(api_client)
+        self.batch = client.BatchV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self.ext = client.ApiextensionsV1Api(api_client)
+        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
+        self._limiter = PriorityLimiter(concurrency)
+        # (connect, read) seconds: without it a stalled connection would hold a worker thread forever;
+        # a timeout surfaces as KubeUnavailable and the record is retried.
+        self.request_timeout = request_timeout
+
+    @classmethod
+    def from_config(cls, kubeconfig: str | None = None, concurrency: int = 32) -> Kube:
+        """From a kubeconfig path, else $KUBECONFIG/~/.kube/config, else the in-cluster service account."""
+        try:
+            api_client = config.new_client_from_config(config_file=kubeconfig)
+        except config.ConfigException:
+            if kubeconfig:
+                raise
+            config.load_incluster_config()
+            api_client = client.ApiClient()
+        return cls(api_client, concurrency)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self.api_client.close()
+
+    async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        loop = asyncio.get_running_loop()
+        await self._limiter.acquire(API_PRIORITY.get())
+        try:
+            resp = await loop.run_in_executor(
+                self._pool,
+                functools.partial(fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs),
+            )
+        except ApiException as exc:
+            raise _map_error(exc) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeUnavailable(str(exc)) from None
+        finally:
+            self._limiter.release()
+        data = resp.data
+        return orjson.loads(data) if data else None
+
+    # -- nodes -----------------------------------------------------------------------------------
+    async def get_node(self, name: str) -> dict[str, Any]:
+        return await self._call(self.core.read_node, name)
+
+    async def list_nodes(self, label_selector: str = "", limit: int = 500) -> list[dict[str, Any]]:
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"label_selector": label_selector, "limit": limit}
+            if token:
+                kw["_continue"] = token
+            page = await self._call(self.core.list_node, **kw)
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def patch_node(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """JSON merge patch; put ``metadata.resourceVersion`` in the body to make it conditional."""
+        return await self._call(self.core.patch_node, name, body, _content_type=MERGE_PATCH)
+
+    async def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Strategic merge patch on the status subresource: conditions merge by type."""
+        return await self._call(self.core.patch_node_status, name, body, _content_type=STRATEGIC_PATCH)
+
+    # -- events, pods, jobs ------------------------------------------------------------------------
+    async def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.core.create_namespaced_event, namespace, body)
+
+    async def list_pods_on_node(self, node: str) -> list[dict[str, Any]]:
+        page = await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+        return page.get("items") or []
+
+    async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._call(self.core.read_namespaced_pod, name, namespace)
+
+    async def evict_pod(self, namespace: str, name: str, grace_seconds: int | None) -> None:
+        body: dict[str, Any] = {
+            "apiVersion": "policy/v1",
+            "kind": "Eviction",
+            "metadata": {"name": name, "namespace": namespace},
+        }
+        if grace_seconds is not None:
+            body["deleteOptions"] = {"gracePeriodSeconds": grace_seconds}
+        await self._call(self.core.create_namespaced_pod_eviction, name, namespace, body)
+
+    async def delete_pod(self, namespace: str, name: str, grace_seconds: int) -> None:
+        await self._call(self.core.delete_namespaced_pod, name, namespace, grace_period_seconds=grace_seconds)
+
+    async def create_job(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.batch.create_namespaced_job, namespace, body)
+
+    async def get_job(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._call(self.batch.read_namespaced_job, name, namespace)
+
+    # -- configmaps (shared state) ---------------------------------------------------------------------
+    async def get_configmap(self, namespace: str, name: str) -> dict[str, Any]:
+        return await self._call(self.core.read_namespaced_config_map, name, namespace)
+
+    async def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        return await self._call(self.core.create_namespaced_config_map, namespace, body)
+
+    async def replace_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """PUT with the read resourceVersion in the body: 409 when another replica wrote first."""
+        return await self._call(self.core.replace_namespaced_config_map, name, namespace, body)
+
+    # -- policies -----------------------------------------------------------------------------------
+    async def crd_installed(self, name: str) -> bool:
+        try:
+            await self._call(self.ext.read_custom_resource_definition, name)
+        except NotFound:
+            return False
+        return True
+
+    async def list_cluster_objects(
+        self, group: str, version: str, plural: str, label_selector: str = ""
+    ) -> list[dict[str, Any]]:
+        page = await self._call(
+            self.custom.list_cluster_custom_object, group, version, plural, label_selector=label_selector
+        )
+        return page.get("items") or []

@@ -1,0 +1,178 @@
+"""The ledger: what xidflow applied to a Node, by flow (incident id or request id) and action.
+
+It lives in one Node annotation (``xidflow.dev/ledger``, compact JSON) so that the record of an
+effect and the effect itself can be written in the same conditional update (resourceVersion):
+either both land or neither. Pure: parse, query and change; ``kube``/``engine`` do the writing.
+
+Shape::
+
+    {"v": 1,
+     "owned":    {"cordon": ["<flow>"], "taint:<key>:<effect>": ["<flow>"], "condition:GpuXid": ["<flow>"]},
+     "flows":    {"<flow>": {"at": <epoch>, "done": {"<step>": <epoch>},
+                             "claims": {"<step>": {"by": "<worker>", "at": <epoch>}},
+                             "cancelled": "<reason>" | null, "boot_id": "<before reboot>" | null}},
+     "attempts": [<epoch>, ...]}
+
+``owned`` is what undo may remove: an effect xidflow found already in place (a human's cordon) is
+never recorded there, so it is never undone.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import orjson
+
+LEDGER_ANNOTATION = "xidflow.dev/ledger"
+LAST_ACTION_ANNOTATION = "xidflow.dev/last-action"
+REBOOT_REQUEST_ANNOTATION = "xidflow.dev/reboot-requested"
+STANDBY_FOR_ANNOTATION = "xidflow.dev/standby-for"
+
+CORDON = "cordon"
+
+
+def taint_effect_key(key: str, effect: str) -> str:
+    # Kubernetes identifies a taint by key and effect; the value may change between incidents.
+    return f"taint:{key}:{effect}"
+
+
+def condition_effect_key(condition_type: str) -> str:
+    return f"condition:{condition_type}"
+
+
+def request_flow_key(request_id: str) -> str:
+    """Flow key of a third-party rescue request: never equal to an incident id."""
+    return f"req:{request_id}"
+
+
+@dataclass
+class Ledger:
+    owned: dict[str, list[str]] = field(default_factory=dict)
+    flows: dict[str, dict[str, Any]] = field(default_factory=dict)
+    attempts: list[float] = field(default_factory=list)
+
+    # -- (de)serialisation -------------------------------------------------------------------
+    @classmethod
+    def from_annotations(cls, annotations: Mapping[str, str] | None) -> Ledger:
+        raw = (annotations or {}).get(LEDGER_ANNOTATION)
+        if not raw:
+            return cls()
+        try:
+            data = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            # A hand-edited, broken ledger must not wedge the node; start over (audited by caller).
+            return cls()
+        return cls(
+            owned={k: list(v) for k, v in (data.get("owned") or {}).items()},
+            flows={k: dict(v) for k, v in (data.get("flows") or {}).items()},
+            attempts=[float(t) for t in data.get("attempts") or []],
+        )
+
+    def to_annotation(self) -> str:
+        return orjson.dumps(
+            {"v": 1, "owned": self.owned, "flows": self.flows, "attempts": self.attempts},
+            option=orjson.OPT_SORT_KEYS,
+        ).decode()
+
+    def copy(self) -> Ledger:
+        return Ledger(copy.deepcopy(self.owned), copy.deepcopy(self.flows), list(self.attempts))
+
+    # -- flows and steps ---------------------------------------------------------------------
+    def flow(self, flow_key: str, now: float) -> dict[str, Any]:
+        return self.flows.setdefault(flow_key, {"at": now, "done": {}, "claims": {}, "cancelled": None})
+
+    def is_done(self, flow_key: str, step: str) -> bool:
+        return step in (self.flows.get(flow_key) or {}).get("done", {})
+
+    def mark_done(self, flow_key: str, step: str, now: float) -> None:
+        flow = self.flow(flow_key, now)
+        flow.setdefault("done", {})[step] = now
+        flow.setdefault("claims", {}).pop(step, None)
+
+    def claim_holder(self, flow_key: str, step: str, now: float, timeout: float) -> str | None:
+        """Worker holding a live claim on the step, or None when it is free or the claim is stale."""
+        claim = (self.flows.get(flow_key) or {}).get("claims", {}).get(step)
+        if not claim or now - float(claim.get("at", 0)) > timeout:
+            return None
+        return str(claim.get("by"))
+
+    def claim(self, flow_key: str, step: str, worker: str, now: float) -> None:
+        self.flow(flow_key, now).setdefault("claims", {})[step] = {"by": worker, "at": now}
+
+    def release(self, flow_key: str, step: str) -> None:
+        (self.flows.get(flow_key) or {}).get("claims", {}).pop(step, None)
+
+    def cancelled(self, flow_key: str) -> str | None:
+        return (self.flows.get(flow_key) or {}).get("cancelled")
+
+    def cancel(self, flow_key: str, reason: str, now: float) -> None:
+        self.flow(flow_key, now)["cancelled"] = reason
+
+    def set_flow_value(self, flow_key: str, name: str, value: Any, now: float) -> None:
+        self.flow(flow_key, now)[name] = value
+
+    def flow_value(self, flow_key: str, name: str) -> Any:
+        return (self.flows.get(flow_key) or {}).get(name)
+
+    def prune(self, max_flows: int) -> None:
+        """Forget the oldest flows that own nothing, keeping at most ``max_flows``."""
+        owning = {f for owners in self.owned.values() for f in owners}
+        if len(self.flows) <= max_flows:
+            return
+        by_age = sorted(self.flows, key=lambda k: float(self.flows[k].get("at", 0)))
+        for key in by_age:
+            if len(self.flows) <= max_flows:
+                break
+            if key not in owning:
+                del self.flows[key]
+
+    # -- ownership -----------------------------------------------------------------------------
+    def owners(self, effect: str) -> list[str]:
+        return list(self.owned.get(effect, []))
+
+    def own(self, effect: str, flow_key: str) -> None:
+        owners = self.owned.setdefault(effect, [])
+        if flow_key not in owners:
+            owners.append(flow_key)
+
+    def disown(self, effect: str, flow_key: str) -> bool:
+        """Drop one owner; True when nobody owns the effect any more (the caller may remove it)."""
+        owners = self.owned.get(effect, [])
+        if flow_key in owners:
+            owners.remove(flow_key)
+        if not owners:
+            self.owned.pop(effect, None)
+            return True
+        return False
+
+    def effects_owned_by(self, flow_key: str) -> list[str]:
+        return sorted(e for e, owners in self.owned.items() if flow_key in owners)
+
+    def reconcile_manual_uncordon(self, unschedulable: bool, now: float) -> list[str]:
+        """A node xidflow cordoned that is schedulable again was uncordoned by a person.
+
+        That cancels every flow owning the cordon (no re-cordon on redelivery, no drain or reboot
+        after it) and drops the cordon from ``owned``. Returns the cancelled flow keys.
+        """
+        owners = self.owned.get(CORDON, [])
+        if unschedulable or not owners:
+            return []
+        for flow_key in owners:
+            self.cancel(flow_key, "manual-uncordon", now)
+        self.owned.pop(CORDON, None)
+        return list(owners)
+
+    # -- attempt cap ---------------------------------------------------------------------------
+    def attempts_within(self, window: float, now: float) -> int:
+        return sum(1 for t in self.attempts if now - t <= window)
+
+    def record_attempt(self, now: float, window: float) -> None:
+        self.attempts = [t for t in self.attempts if now - t <= window] + [now]
+
+
+def flow_summary(ledger: Ledger) -> dict[str, list[str]]:
+    """flow key -> effects it still owns, for ``xidflow status``."""
+    return {f: ledger.effects_owned_by(f) for f in ledger.flows if ledger.effects_owned_by(f)}

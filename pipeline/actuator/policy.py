@@ -1,0 +1,253 @@
+"""Rescue and warm-standby policies: models, loading (YAML file or CRDs), validation, matching.
+
+A ``RescuePolicy`` holds rules; each rule matches incidents by codes/kinds and a node selector and
+lists ordered actions. The highest priority matching rule wins; the built-in global rule (priority
+0, no codes, no selector, ``quarantine`` per the catalog's action) matches everything. A
+``WarmStandbyPolicy`` maps origin-node labels to the labels of standby nodes that may replace it.
+Everything here is pure: no I/O except reading a file handed in by path.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from schemas.records import FaultKind
+
+API_GROUP = "xidflow.dev"
+API_VERSION = "v1alpha1"
+RESCUE_KIND = "RescuePolicy"
+STANDBY_KIND = "WarmStandbyPolicy"
+RESCUE_PLURAL = "rescuepolicies"
+STANDBY_PLURAL = "warmstandbypolicies"
+
+ActionName = Literal[
+    "quarantine",
+    "cordon",
+    "taint",
+    "condition",
+    "event",
+    "drain",
+    "reboot",
+    "resetGpu",
+    "enableWarmStandby",
+    "unCordon",
+]
+TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+RebootHook = Literal["job", "annotation", "webhook"]
+
+
+class PolicyError(ValueError):
+    """An invalid policy; the message names the offending field (``spec.rules[0].actions[1].name``)."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, frozen=True)
+
+
+class ActionSpec(_Model):
+    """One step of a rule. Attributes not meaningful for ``name`` are rejected by ``_check_attrs``."""
+
+    name: ActionName
+    waittime: float = Field(default=0, ge=0, description="Seconds to wait after this action before the next")
+    timeout: float | None = Field(
+        default=None, gt=0, description="Seconds drain/reboot/resetGpu may take (default per action)"
+    )
+    # taint
+    key: str | None = Field(default=None, min_length=1, max_length=253)
+    value: str | None = Field(default=None, max_length=63)
+    effect: TaintEffect | None = None
+    # drain
+    grace_period_cap: int | None = Field(default=None, ge=0, alias="gracePeriodCap")
+    excluded_namespaces: tuple[str, ...] = Field(default=(), alias="excludedNamespaces")
+    force_after: float | None = Field(default=None, ge=0, alias="forceAfter")
+    # reboot / resetGpu
+    hook: RebootHook | None = None
+    webhook_url: str | None = Field(default=None, alias="webhookUrl")
+    job_template: dict[str, Any] | None = Field(default=None, alias="jobTemplate")
+    uncordon_after: bool = Field(default=False, alias="uncordonAfter")
+
+    @model_validator(mode="after")
+    def _check_attrs(self) -> ActionSpec:
+        allowed = _ATTRS_BY_ACTION[self.name] | {"name", "waittime"}
+        given = {f for f in self.model_fields_set}
+        extra = sorted(given - allowed)
+        if extra:
+            alias = ActionSpec.model_fields[extra[0]].alias or extra[0]
+            raise ValueError(f"{alias}: not valid for action '{self.name}'")
+        if self.name == "reboot" and self.hook == "webhook" and not self.webhook_url:
+            raise ValueError("webhookUrl: required when hook is 'webhook'")
+        return self
+
+
+_ATTRS_BY_ACTION: dict[str, set[str]] = {
+    "quarantine": {"key", "value", "effect"},
+    "cordon": set(),
+    "taint": {"key", "value", "effect"},
+    "condition": set(),
+    "event": set(),
+    "drain": {"grace_period_cap", "excluded_namespaces", "force_after", "timeout"},
+    "reboot": {"hook", "webhook_url", "job_template", "uncordon_after", "timeout"},
+    "resetGpu": {"job_template", "timeout"},
+    "enableWarmStandby": set(),
+    "unCordon": set(),
+}
+
+
+class NodeSelector(_Model):
+    operator: Literal["any", "all"] = "all"
+    labels: dict[str, str] = Field(default_factory=dict)
+
+    def matches(self, node_labels: Mapping[str, str]) -> bool:
+        if not self.labels:
+            return True
+        hits = (node_labels.get(k) == v for k, v in self.labels.items())
+        return any(hits) if self.operator == "any" else all(hits)
+
+
+class Rule(_Model):
+    name: str = Field(default="", description="Filled from the policy name and index when empty")
+    priority: int = Field(default=0, ge=0, le=1_000_000)
+    codes: tuple[int, ...] = Field(default=(), description="Xid/SXid codes; empty matches every code")
+    kinds: tuple[FaultKind, ...] = Field(default=(), description="Fault kinds; empty matches every kind")
+    node_selector: NodeSelector | None = Field(default=None, alias="nodeSelector")
+    actions: tuple[ActionSpec, ...] = Field(min_length=1)
+
+    def matches(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> bool:
+        if self.kinds and kind not in self.kinds:
+            return False
+        if self.codes and code not in self.codes:
+            return False
+        return self.node_selector is None or self.node_selector.matches(node_labels)
+
+    @property
+    def specificity(self) -> int:
+        # Ties at equal priority go to the narrower rule, then to the name, so every replica agrees.
+        return int(bool(self.codes)) + int(bool(self.kinds)) + int(self.node_selector is not None)
+
+
+class RescuePolicySpec(_Model):
+    rules: tuple[Rule, ...] = Field(min_length=1)
+
+
+class WarmStandbySpec(_Model):
+    origin_labels: dict[str, str] = Field(alias="originLabels", min_length=1)
+    target_labels: dict[str, str] = Field(alias="targetLabels", min_length=1)
+
+
+class WarmStandbyPolicy(_Model):
+    name: str
+    spec: WarmStandbySpec
+
+    def applies_to(self, node_labels: Mapping[str, str]) -> bool:
+        return all(node_labels.get(k) == v for k, v in self.spec.origin_labels.items())
+
+
+DEFAULT_RULE = Rule(name="global-default", priority=0, actions=(ActionSpec(name="quarantine"),))
+
+
+class PolicySet(_Model):
+    """Every loaded rule (sorted, best first) and warm-standby policy."""
+
+    rules: tuple[Rule, ...] = ()
+    standby: tuple[WarmStandbyPolicy, ...] = ()
+
+    def select(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> Rule:
+        """The rule that wins for this incident on this node: highest priority, then most specific."""
+        for rule in self.rules:
+            if rule.matches(kind, code, node_labels):
+                return rule
+        return DEFAULT_RULE
+
+    def standby_targets(self, node_labels: Mapping[str, str]) -> list[dict[str, str]]:
+        """Target label sets of every warm-standby policy whose origin labels the node carries."""
+        return [p.spec.target_labels for p in self.standby if p.applies_to(node_labels)]
+
+
+def _field_path(prefix: str, loc: Iterable[int | str]) -> str:
+    path = prefix
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif part.startswith(("function-after", "literal", "tagged-union")):
+            continue
+        else:
+            path += f".{part}"
+    return path
+
+
+def _raise_for(prefix: str, exc: ValidationError) -> None:
+    err = exc.errors()[0]
+    path, msg = _field_path(prefix, err["loc"]), err["msg"]
+    # Our own checks name the attribute first ("Value error, key: ..."): fold it into the path.
+    own = re.match(r"Value error, (\w+): (.*)", msg)
+    if own:
+        path, msg = f"{path}.{own.group(1)}", own.group(2)
+    raise PolicyError(f"{path}: {msg}") from None
+
+
+def parse_document(doc: Mapping[str, Any]) -> tuple[list[Rule], list[WarmStandbyPolicy]]:
+    """Validate one RescuePolicy or WarmStandbyPolicy object (YAML document or CRD instance)."""
+    if not isinstance(doc, Mapping):
+        raise PolicyError("document: expected a mapping")
+    kind = doc.get("kind")
+    api_version = doc.get("apiVersion", f"{API_GROUP}/{API_VERSION}")
+    if api_version != f"{API_GROUP}/{API_VERSION}":
+        raise PolicyError(f"apiVersion: expected {API_GROUP}/{API_VERSION}, got {api_version!r}")
+    name = (doc.get("metadata") or {}).get("name")
+    if not name or not isinstance(name, str):
+        raise PolicyError("metadata.name: required")
+    spec = doc.get("spec")
+    if not isinstance(spec, Mapping):
+        raise PolicyError(f"{kind}/{name} spec: required mapping")
+    if kind == RESCUE_KIND:
+        try:
+            parsed = RescuePolicySpec.model_validate(spec)
+        except ValidationError as exc:
+            _raise_for(f"{kind}/{name} spec", exc)
+        rules = [r if r.name else r.model_copy(update={"name": f"{name}[{i}]"}) for i, r in enumerate(parsed.rules)]
+        return rules, []
+    if kind == STANDBY_KIND:
+        try:
+            return [], [WarmStandbyPolicy(name=name, spec=WarmStandbySpec.model_validate(spec))]
+        except ValidationError as exc:
+            _raise_for(f"{kind}/{name} spec", exc)
+    raise PolicyError(f"kind: expected {RESCUE_KIND} or {STANDBY_KIND}, got {kind!r}")
+
+
+def build_policy_set(docs: Iterable[Mapping[str, Any]]) -> PolicySet:
+    rules: list[Rule] = []
+    standby: list[WarmStandbyPolicy] = []
+    seen: set[str] = set()
+    for doc in docs:
+        r, s = parse_document(doc)
+        for rule in r:
+            if rule.name in seen:
+                raise PolicyError(f"rules: duplicate rule name {rule.name!r}")
+            seen.add(rule.name)
+        rules += r
+        standby += s
+    rules.sort(key=lambda r: (-r.priority, -r.specificity, r.name))
+    standby.sort(key=lambda p: p.name)
+    return PolicySet(rules=tuple(rules), standby=tuple(standby))
+
+
+def load_yaml_text(text: str) -> PolicySet:
+    try:
+        docs = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"yaml: {exc}") from None
+    flat: list[Mapping[str, Any]] = []
+    for d in docs:
+        # A `kind: List` wrapper (kubectl get -o yaml) is unpacked.
+        flat += d.get("items", []) if isinstance(d, Mapping) and d.get("kind") == "List" else [d]
+    return build_policy_set(flat)
+
+
+def load_yaml_file(path: str | Path) -> PolicySet:
+    return load_yaml_text(Path(path).read_text(encoding="utf-8"))

@@ -1,0 +1,80 @@
+"""Actuator settings, read from ``XIDFLOW_ACTUATOR_*`` environment variables.
+
+Each field's docstring is its description (``use_attribute_docstrings``) and states the default.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class ActuatorSettings(BaseSettings):
+    """Every knob of ``xidflow actuator``."""
+
+    model_config = SettingsConfigDict(env_prefix="XIDFLOW_ACTUATOR_", extra="ignore", use_attribute_docstrings=True)
+
+    group_id: str = "xidflow-actuator"
+    """Kafka consumer group. Default ``xidflow-actuator``."""
+    worker_id: str = ""
+    """Written into audit records and claims. Default empty: ``<hostname>-<pid>``."""
+    gpu_node_selector: str = "nvidia.com/gpu.present=true"
+    """GPU fleet label selector (breaker denominator, status). Default ``nvidia.com/gpu.present=true``."""
+    opt_out_label: str = "xidflow.dev/opt-out"
+    """Nodes whose label has value ``true`` are never touched. Default ``xidflow.dev/opt-out``."""
+    standby_label: str = "xidflow.dev/standby"
+    """Label (value ``true``) of warm-standby nodes. Default ``xidflow.dev/standby``."""
+    namespace: str = "xidflow-system"
+    """Namespace of the breaker/drain ConfigMaps, hook Jobs and breaker Events. Default ``xidflow-system``."""
+    breaker_configmap: str = "xidflow-breaker"
+    """ConfigMap holding the circuit-breaker state. Default ``xidflow-breaker``."""
+    drains_configmap: str = "xidflow-drains"
+    """ConfigMap holding the cluster-wide drain slots. Default ``xidflow-drains``."""
+    breaker_max_share: float = Field(default=0.5, gt=0, le=1)
+    """Largest share of GPU nodes quarantined within the window before the breaker trips. Default 0.5."""
+    breaker_window_seconds: float = Field(default=300, gt=0)
+    """Breaker window in seconds. Default 300."""
+    fleet_cache_seconds: float = Field(default=10, ge=0)
+    """How long the GPU node count is cached, in seconds. Default 10."""
+    attempt_cap: int = Field(default=3, ge=1)
+    """Disruptive flows (drain/reboot/reset) per node in the window before CONTACT_SUPPORT. Default 3."""
+    attempt_window_seconds: float = Field(default=86400, gt=0)
+    """Attempt-cap window in seconds. Default 86400."""
+    max_concurrent_drains: int = Field(default=5, ge=1)
+    """Cluster-wide limit on nodes draining at once. Default 5."""
+    dry_run: bool = False
+    """Audit every decision as ``dry-run`` and mutate nothing. Default false."""
+    manual_only: bool = False
+    """Automatic policies off: incidents are audited as skipped, only rescue requests act. Default false."""
+    policy_source: Literal["auto", "crd", "file"] = "auto"
+    """``crd``, ``file``, or ``auto`` (the CRDs when installed, else the file). Default ``auto``."""
+    policy_file: str = ""
+    """YAML file of RescuePolicy/WarmStandbyPolicy documents. Default empty: built-in global rule only."""
+    policy_label_selector: str = ""
+    """Only CRD policies carrying these labels are loaded. Default empty: all."""
+    policy_refresh_seconds: float = Field(default=30, gt=0)
+    """How often CRD policies are reloaded, in seconds. Default 30."""
+    taint_key: str = "nvidia.com/gpu-fault"
+    """Quarantine taint key when a rule does not set one. Default ``nvidia.com/gpu-fault``."""
+    taint_effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] = "NoSchedule"
+    """Quarantine taint effect when a rule does not set one. Default ``NoSchedule``."""
+    api_concurrency: int = Field(default=32, ge=1)
+    """Parallel Kubernetes API calls (thread pool size). Default 32."""
+    max_in_flight: int = Field(default=5000, ge=1)
+    """Records fetched but not finished before the consumer pauses fetching. Default 5000."""
+    commit_interval_seconds: float = Field(default=0.5, gt=0)
+    """How often finished offsets are committed, in seconds. Default 0.5."""
+    retry_initial_seconds: float = Field(default=0.5, gt=0)
+    """First backoff when the API server is unreachable or answers 5xx, in seconds. Default 0.5."""
+    retry_max_seconds: float = Field(default=30, gt=0)
+    """Backoff ceiling in seconds. Default 30."""
+    claim_timeout_seconds: float = Field(default=1800, gt=0)
+    """A long step (drain, reboot) claimed by a replica that vanished is retaken after this. Default 1800."""
+    ledger_max_flows: int = Field(default=20, ge=1)
+    """Flows remembered in a node's ledger annotation. Default 20."""
+    reboot_job_template: str = ""
+    """YAML file of the default privileged reboot Job template. Default empty: built-in template."""
+    reset_job_template: str = ""
+    """YAML file of the default GPU-reset Job template. Default empty: built-in template."""

@@ -1,0 +1,177 @@
+"""Helpers for integration tests and benchmarks against a real API server and a real Kafka.
+
+Fake GPU nodes are Node objects created through the API (as KWOK does): there is no kubelet, so
+their Ready condition and bootID are set through the status subresource.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.errors import TopicAlreadyExistsError
+
+from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
+from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
+
+XID79_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+
+
+def make_incident(
+    node: str,
+    incident_id: str,
+    code: int = 79,
+    action: Action = Action.REBOOT_NODE,
+    kind: FaultKind = FaultKind.XID,
+) -> NodeIncident:
+    now = datetime.now(UTC)
+    return NodeIncident(
+        incident_id=incident_id,
+        node=node,
+        signature=f"{kind.value}:{code}:0000:4e:00.0",
+        kind=kind,
+        code=code,
+        pci="0000:4e:00.0",
+        first_seen=now,
+        last_seen=now,
+        severity=Severity.CRITICAL,
+        action=action,
+        quarantine=action.quarantines,
+        line=XID79_LINE if code == 79 else f"NVRM: Xid (PCI:0000:4e:00): {code}, test",
+    )
+
+
+async def set_node_ready(kube: Kube, name: str, boot_id: str, ready: bool = True) -> None:
+    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    await kube.patch_node_status(
+        name,
+        {
+            "status": {
+                "conditions": [
+                    {
+                        "type": "Ready",
+                        "status": "True" if ready else "False",
+                        "reason": "KubeletReady" if ready else "KubeletNotReady",
+                        "message": "set by xidflow tests",
+                        "lastHeartbeatTime": now,
+                        "lastTransitionTime": now,
+                    }
+                ],
+                "nodeInfo": {
+                    "bootID": boot_id,
+                    "machineID": "m",
+                    "systemUUID": "s",
+                    "kernelVersion": "k",
+                    "osImage": "o",
+                    "containerRuntimeVersion": "c",
+                    "kubeletVersion": "v1.0.0",
+                    "kubeProxyVersion": "v1.0.0",
+                    "operatingSystem": "linux",
+                    "architecture": "amd64",
+                },
+            }
+        },
+    )
+
+
+async def create_nodes(
+    kube: Kube, names: Iterable[str], labels: dict[str, str], boot_id: str = "boot-1", parallel: int = 32
+) -> None:
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(name: str) -> None:
+        async with sem:
+            body = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": labels}}
+            try:
+                await kube._call(kube.core.create_node, body)
+            except AlreadyExists:
+                pass
+            await set_node_ready(kube, name, boot_id)
+
+    await asyncio.gather(*(one(n) for n in names))
+
+
+async def delete_nodes(kube: Kube, names: Iterable[str], parallel: int = 32) -> None:
+    sem = asyncio.Semaphore(parallel)
+
+    async def one(name: str) -> None:
+        async with sem:
+            try:
+                await kube._call(kube.core.delete_node, name)
+            except NotFound:
+                pass
+
+    await asyncio.gather(*(one(n) for n in names))
+
+
+async def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 4) -> None:
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        for name in names:
+            try:
+                await admin.create_topics([NewTopic(name, partitions, 1)])
+            except TopicAlreadyExistsError:
+                pass
+    finally:
+        await admin.close()
+
+
+async def publish(bootstrap: str, topic: str, records: Iterable[Any]) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    await producer.start()
+    try:
+        futures = [
+            await producer.send(topic, r.to_bytes(), key=(getattr(r, "node", None) or r.node_name).encode())
+            for r in records
+        ]
+        await asyncio.gather(*futures)
+    finally:
+        await producer.stop()
+
+
+async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[RemediationRecord]:
+    """Every record on the audit topic so far (no group: reads from the beginning)."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = consumer.partitions_for_topic(topic) or set()
+        if not parts:
+            await consumer._client.force_metadata_update()
+            parts = consumer.partitions_for_topic(topic) or set()
+        tps = [TopicPartition(topic, p) for p in parts]
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        out: list[RemediationRecord] = []
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            positions = [await consumer.position(tp) for tp in tps]
+            if all(pos >= end[tp] for pos, tp in zip(positions, tps, strict=True)):
+                break
+            batch = await consumer.getmany(timeout_ms=int(settle_s * 1000))
+            for messages in batch.values():
+                out += [RemediationRecord.from_bytes(m.value) for m in messages]
+        return out
+    finally:
+        await consumer.stop()
+
+
+async def wait_until(
+    predicate: Callable[[], Awaitable[bool]], limit_s: float = 30, poll: float = 0.1, what: str = "condition"
+) -> None:
+    deadline = time.monotonic() + limit_s
+    while not await predicate():
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"{what} not reached within {limit_s:g}s")
+        await asyncio.sleep(poll)
+
+
+async def node_events(kube: Kube, node: str) -> list[dict[str, Any]]:
+    page = await kube._call(kube.core.list_namespaced_event, "default", field_selector=f"involvedObject.name={node}")
+    return page.get("items") or []

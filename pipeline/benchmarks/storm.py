@@ -1,0 +1,119 @@
+"""Storm benchmark: N GPU nodes each get a fatal Xid at once; how fast are they all quarantined?
+
+The incidents go through Kafka to a real actuator (consumer group, engine, ledger, breaker, audit)
+against the real API server; the clock stops when every node is cordoned and tainted as seen by the
+API server. The breaker limit is raised for the run. Nodes, topics' consumers and the namespace the
+run made are cleaned up. Not a test: it prints and returns numbers.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import time
+import uuid
+from typing import Any
+
+from pipeline.actuator.app import Actuator
+from pipeline.actuator.kube import Kube
+from pipeline.actuator.policy import PolicySet
+from pipeline.actuator.settings import ActuatorSettings
+from pipeline.actuator.testing import create_nodes, create_topics, delete_nodes, make_incident, publish
+from pipeline.settings import KafkaSettings, TopicNames
+
+
+def _quarantined(node: dict[str, Any], taint_key: str) -> bool:
+    spec = node.get("spec") or {}
+    return bool(spec.get("unschedulable")) and any(t.get("key") == taint_key for t in spec.get("taints") or [])
+
+
+async def storm(
+    nodes: int = 500,
+    bootstrap: str | None = None,
+    kubeconfig: str | None = None,
+    partitions: int = 8,
+    api_concurrency: int = 32,
+    replicas: int = 1,
+) -> dict[str, Any]:
+    bootstrap = bootstrap or KafkaSettings().bootstrap_servers
+    kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
+    tag = uuid.uuid4().hex[:8]
+    fleet_label = {"xidflow.bench/storm": tag}
+    selector = f"xidflow.bench/storm={tag}"
+    topics = TopicNames(prefix=f"storm-{tag}.")
+    settings = ActuatorSettings(
+        gpu_node_selector=selector,
+        namespace=f"xidflow-storm-{tag}",
+        group_id=f"storm-{tag}",
+        policy_source="file",
+        breaker_max_share=1.0,  # the storm is the point: the breaker would (rightly) stop it at 50%
+        api_concurrency=api_concurrency,
+    )
+    admin = Kube.from_config(kubeconfig, 32)
+    names = [f"storm-{tag}-{i:05d}" for i in range(nodes)]
+    actuators: list[Actuator] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        await create_topics(
+            bootstrap,
+            [topics.name(n) for n in ("incidents", "remediation_requests", "remediation_audit", "deadletter")],
+            partitions,
+        )
+        await create_nodes(admin, names, fleet_label)
+        for i in range(replicas):
+            act = Actuator(
+                settings.model_copy(update={"worker_id": f"storm-{i}"}),
+                KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=bootstrap),
+                topics,
+                kubeconfig,
+                PolicySet(),
+            )
+            await act.start()
+            actuators.append(act)
+            tasks.append(asyncio.create_task(act.run()))
+        # Wait for the group to settle so the clock measures remediation, not the join.
+        while any(not a.consumer.consumer.assignment() for a in actuators):  # noqa: ASYNC110 - polling aiokafka state
+            await asyncio.sleep(0.05)
+        incidents = [make_incident(n, f"storm-{tag}-{i}") for i, n in enumerate(names)]
+        start = time.perf_counter()
+        await publish(bootstrap, topics.name("incidents"), incidents)
+        while True:
+            listed = await admin.list_nodes(selector)
+            done = sum(_quarantined(n, settings.taint_key) for n in listed)
+            if done >= nodes:
+                break
+            await asyncio.sleep(0.05)
+        seconds = time.perf_counter() - start
+        return {
+            "storm_nodes": nodes,
+            "storm_seconds": round(seconds, 3),
+            "storm_nodes_per_s": round(nodes / seconds, 1),
+            "storm_api_concurrency": api_concurrency,
+            "storm_replicas": replicas,
+        }
+    finally:
+        for act in actuators:
+            act.consumer._stopping.set()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for act in actuators:
+            await act.stop()
+        await delete_nodes(admin, names)
+        try:
+            await admin._call(admin.core.delete_namespace, settings.namespace)
+        except Exception:  # noqa: BLE001 - the namespace may not exist when setup failed early
+            pass
+        admin.close()
+
+
+def run_storm(nodes: int = 500, bootstrap: str | None = None, kubeconfig: str | None = None) -> dict[str, Any]:
+    """``{"storm_nodes", "storm_seconds", "storm_nodes_per_s", ...}`` for N nodes quarantined at once."""
+    return asyncio.run(storm(nodes, bootstrap, kubeconfig))
+
+
+if __name__ == "__main__":
+    import sys
+
+    import orjson
+
+    count = int(sys.argv[1]) if len(sys.argv) > 1 else 500
+    print(orjson.dumps(run_storm(count), option=orjson.OPT_INDENT_2).decode())
