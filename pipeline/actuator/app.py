@@ -98,6 +98,7 @@ class Actuator:
             self.kube, s.namespace, s.drains_configmap, s.max_concurrent_drains, s.claim_timeout_seconds
         )
         self.engine = Engine(self.kube, self.auditor, s, self.policies, self.breaker, self.drains)
+        self.engine.on_request_done = self._release_plan
         self.consumer = ActuatorConsumer(
             self.kafka.bootstrap_servers,
             s.group_id,
@@ -109,6 +110,12 @@ class Actuator:
             s.commit_interval_seconds,
         )
         self._given_policies = policies is not None
+
+    async def _release_plan(self, request_id: str) -> None:
+        """Tell the decision API's shared pending-plans ledger that this request's plan is over."""
+        from pipeline.actuator.api import ApiSettings, ConfigMapPlanLedger
+
+        await ConfigMapPlanLedger.from_settings(self.kube.api_client, ApiSettings()).release(request_id)
 
     async def _on_trip(self, admission: Admission, node: str) -> None:
         """Audit the trip and raise a Warning Event on the breaker ConfigMap."""

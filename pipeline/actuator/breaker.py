@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 
 import orjson
 
+from pipeline import metrics
 from pipeline.actuator.kube import AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
 
 T = TypeVar("T")
@@ -164,6 +165,7 @@ class Breaker:
                     if not fut.done():
                         fut.set_exception(exc)
                 continue
+            metrics.BREAKER_OPEN.set(0 if all(d.allowed for d in decisions.values()) else 1)
             for node, decision in decisions.items():
                 if decision.tripped_now and self.on_trip is not None:
                     await self.on_trip(decision, node)
@@ -175,6 +177,7 @@ class Breaker:
         state = await read_json_configmap(self.kube, self.namespace, self.name)
         now = time.time()
         admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= self.window}
+        metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)
         return {
             "tripped": bool(state.get("tripped")),
             "reason": state.get("reason", ""),

@@ -14,7 +14,7 @@ import dataclasses
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +102,9 @@ class Engine:
         self.kube, self.auditor, self.settings = kube, auditor, settings
         self.policies, self.breaker, self.drains = policies, breaker, drains
         self.worker = settings.worker_id or default_worker_id()
+        # Called with a request id once its plan is done or abandoned, so the decision API's
+        # pending-plans limit stops counting it (set by the Actuator when the API module is present).
+        self.on_request_done: Callable[[str], Awaitable[None]] | None = None
 
     # -- entry points -------------------------------------------------------------------------------
     async def handle(self, record: Any) -> None:
@@ -151,10 +154,20 @@ class Engine:
         if view is None:
             flow = request_flow_key(request.request_id)
             await self._audit_now(request.node_name, flow, "decide", Outcome.SKIPPED, "node not found")
+            await self._request_done(request.request_id)
             return
         view = await self._reconcile_manual_uncordon(view)
         plan = plan_request(request, view, self.settings)
         await self.run_plan(FlowContext(plan=plan, incident=None, view=view))
+        await self._request_done(request.request_id)
+
+    async def _request_done(self, request_id: str) -> None:
+        if self.on_request_done is None:
+            return
+        try:
+            await self.on_request_done(request_id)
+        except Exception as exc:  # noqa: BLE001 - the plan entry also expires on its own
+            log.warning("could not release plan %s from the pending-plans ledger: %s", request_id, exc)
 
     async def handle_recovered(self, recovered: NodeRecovered) -> None:
         flow = recovered.incident_id

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import socket
+import socketserver
+import threading
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from urllib.parse import urlparse
@@ -169,15 +172,37 @@ async def test_breaker_trips_at_threshold_and_only_reset_closes_it(env: Env) -> 
     assert (await env.node(names[3]))["spec"]["unschedulable"] is True
 
 
-async def _pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    try:
-        while data := await reader.read(65536):
-            writer.write(data)
-            await writer.drain()
-    except (ConnectionError, asyncio.CancelledError):
-        pass
-    finally:
-        writer.close()
+class _ThreadedRelay(socketserver.ThreadingTCPServer):
+    """A plain TCP relay to the API server (TLS passes through untouched)."""
+
+    daemon_threads = True
+    allow_reuse_address = True
+
+    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
+        self.upstream = upstream
+        super().__init__(listen, _RelayHandler)
+
+
+class _RelayHandler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        up = socket.create_connection(self.server.upstream)  # type: ignore[attr-defined]
+        down = self.request
+
+        def pipe(src: socket.socket, dst: socket.socket) -> None:
+            try:
+                while data := src.recv(65536):
+                    dst.sendall(data)
+            except OSError:
+                pass
+            finally:
+                with contextlib.suppress(OSError):
+                    dst.shutdown(socket.SHUT_WR)
+
+        back = threading.Thread(target=pipe, args=(up, down), daemon=True)
+        back.start()
+        pipe(down, up)
+        back.join()
+        up.close()
 
 
 async def test_api_server_down_for_a_while_is_retried_and_applied_later(env: Env, kubeconfig: str) -> None:
@@ -207,14 +232,14 @@ async def test_api_server_down_for_a_while_is_retried_and_applied_later(env: Env
     assert not handling.done()
     assert not (await env.node(name))["spec"].get("unschedulable")
 
-    async def relay(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        up_reader, up_writer = await asyncio.open_connection(target.hostname, target.port)
-        await asyncio.gather(_pipe(reader, up_writer), _pipe(up_reader, writer))
-
-    server = await asyncio.start_server(relay, "127.0.0.1", relay_port)
+    # The relay runs on threads of its own: it must keep forwarding even while the actuator's event
+    # loop waits on its Kubernetes calls (sharing one loop made the test itself a deadlock risk).
+    server = _ThreadedRelay(("127.0.0.1", relay_port), (target.hostname, target.port))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
         await asyncio.wait_for(handling, 60)
     finally:
-        server.close()
+        server.shutdown()
+        server.server_close()
     assert (await env.node(name))["spec"]["unschedulable"] is True
     assert ("cordon", "applied") in outcomes(await env.audit(), name)
