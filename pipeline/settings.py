@@ -16,14 +16,15 @@ class TopicNames(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="XIDFLOW_TOPIC_", extra="ignore")
 
     prefix: str = Field(default="", description="Prepended to every topic name")
-    logs_kernel: str = "gpu.logs.kernel"
-    logs_pods: str = "gpu.logs.pods"
-    health_checks: str = "gpu.health.checks"
-    deadletter: str = "gpu.logs.deadletter"
-    fault_events: str = "gpu.fault.events"
-    incidents: str = "gpu.node.incidents"
-    remediation_audit: str = "gpu.remediation.audit"
-    remediation_requests: str = "gpu.remediation.requests"
+    logs_kernel: str = Field(default="gpu.logs.kernel", description="Raw kernel lines (kmsg/journald/syslog)")
+    logs_pods: str = Field(default="gpu.logs.pods", description="Raw pod/container log lines")
+    health_checks: str = Field(default="gpu.health.checks", description="HealthCheckResult records from the probe")
+    deadletter: str = Field(default="gpu.logs.deadletter", description="DeadLetter records: input nobody understood")
+    fault_events: str = Field(default="gpu.fault.events", description="FaultEvent records, keyed by node")
+    incidents: str = Field(default="gpu.node.incidents", description="NodeIncident and NodeRecovered records")
+    remediation_audit: str = Field(default="gpu.remediation.audit", description="RemediationRecord audit trail")
+    remediation_requests: str = Field(
+        default="gpu.remediation.requests", description="RescueActionRequest records from the decision API")
 
     def name(self, field: str) -> str:
         return self.prefix + getattr(self, field)

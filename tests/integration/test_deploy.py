@@ -55,15 +55,17 @@ def crds(dyn: DynamicClient) -> list[str]:
     names = []
     for path in sorted((ROOT / "deploy" / "crds").glob("*.yaml")):
         for doc in _docs(path.read_text()):
-            api.server_side_apply(body=doc, name=doc["metadata"]["name"], field_manager=FIELD_MANAGER,
-                                  force_conflicts=True)
+            api.server_side_apply(
+                body=doc, name=doc["metadata"]["name"], field_manager=FIELD_MANAGER, force_conflicts=True
+            )
             names.append(doc["metadata"]["name"])
     assert names, "deploy/crds/ has no CRDs"
     deadline = time.monotonic() + 30
     for name in names:
         while True:
-            conds = {c["type"]: c["status"] for c in (api.get(name=name).to_dict().get("status") or {})
-                     .get("conditions", [])}
+            conds = {
+                c["type"]: c["status"] for c in (api.get(name=name).to_dict().get("status") or {}).get("conditions", [])
+            }
             if conds.get("Established") == "True":
                 break
             assert time.monotonic() < deadline, f"CRD {name} not established: {conds}"
@@ -93,10 +95,12 @@ def dry_run(k8s: client.ApiClient, dyn: DynamicClient, obj: dict[str, Any], name
     if resource.namespaced:
         assert obj["metadata"].get("namespace", namespace) == namespace, obj["metadata"]
     params = k8s.param_serialize(
-        "POST", path,
+        "POST",
+        path,
         query_params=[("dryRun", "All"), ("fieldValidation", "Strict"), ("fieldManager", FIELD_MANAGER)],
         header_params={"Content-Type": "application/json", "Accept": "application/json"},
-        body=obj, auth_settings=["BearerToken"],
+        body=obj,
+        auth_settings=["BearerToken"],
     )
     response = k8s.call_api(*params)
     response.read()
@@ -138,8 +142,9 @@ def test_default_chart_passes_server_side_dry_run(k8s, dyn, crds, namespace, rel
 
 
 def test_everything_enabled_passes_server_side_dry_run(k8s, dyn, crds, namespace, release) -> None:  # noqa: ANN001
-    docs = _docs(helm_template(CHART, release=release, namespace=namespace, values_files=(ALL_ENABLED,),
-                               log=lambda _m: None))
+    docs = _docs(
+        helm_template(CHART, release=release, namespace=namespace, values_files=(ALL_ENABLED,), log=lambda _m: None)
+    )
     kinds = {d["kind"] for d in docs}
     assert {"RescuePolicy", "WarmStandbyPolicy", "Secret", "ServiceMonitor"} <= kinds
     assert len([d for d in docs if d["kind"] == "Deployment"]) == 3  # worker, actuator, loki-tail
@@ -164,15 +169,28 @@ def test_dry_run_rejects_what_is_wrong(k8s, dyn, crds, namespace, release) -> No
     with pytest.raises(ApiException) as err:
         dry_run(k8s, dyn, worker, namespace)
     assert err.value.status == 400 and "enviroment" in err.value.body
-    bad_policy = {"apiVersion": "xidflow.dev/v1alpha1", "kind": "RescuePolicy",
-                  "metadata": {"name": f"{release}-bad"}, "spec": {"rules": [{"priority": "high"}]}}
+    bad_policy = {
+        "apiVersion": "xidflow.dev/v1alpha1",
+        "kind": "RescuePolicy",
+        "metadata": {"name": f"{release}-bad"},
+        "spec": {"rules": [{"priority": "high"}]},
+    }
     with pytest.raises(ApiException) as err:
         dry_run(k8s, dyn, bad_policy, namespace)
     assert err.value.status == 422
 
 
-def _can(k8s: client.ApiClient, user: str, verb: str, resource: str, *, group: str = "",
-         namespace: str | None = None, name: str | None = None, subresource: str | None = None) -> bool:
+def _can(
+    k8s: client.ApiClient,
+    user: str,
+    verb: str,
+    resource: str,
+    *,
+    group: str = "",
+    namespace: str | None = None,
+    name: str | None = None,
+    subresource: str | None = None,
+) -> bool:
     attrs: dict[str, Any] = {"verb": verb, "resource": resource, "group": group}
     if namespace:
         attrs["namespace"] = namespace
@@ -181,8 +199,11 @@ def _can(k8s: client.ApiClient, user: str, verb: str, resource: str, *, group: s
     if subresource:
         attrs["subresource"] = subresource
     review = client.AuthorizationV1Api(k8s).create_subject_access_review(
-        {"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-         "spec": {"user": user, "groups": ["system:serviceaccounts"], "resourceAttributes": attrs}}
+        {
+            "apiVersion": "authorization.k8s.io/v1",
+            "kind": "SubjectAccessReview",
+            "spec": {"user": user, "groups": ["system:serviceaccounts"], "resourceAttributes": attrs},
+        }
     )
     return bool(review.status.allowed)
 
@@ -203,10 +224,13 @@ def test_actuator_rbac_is_least_privilege(k8s, dyn, namespace, release) -> None:
         worker = f"system:serviceaccount:{namespace}:{release}-xidflow-worker"
         probe = f"system:serviceaccount:{namespace}:{release}-xidflow-probe"
         must = [
-            ("patch", "nodes", {}), ("update", "nodes", {}), ("list", "nodes", {}),
+            ("patch", "nodes", {}),
+            ("update", "nodes", {}),
+            ("list", "nodes", {}),
             ("patch", "nodes", {"subresource": "status"}),
             ("create", "pods", {"subresource": "eviction", "namespace": "team-a"}),
-            ("delete", "pods", {"namespace": "team-a"}), ("list", "pods", {}),
+            ("delete", "pods", {"namespace": "team-a"}),
+            ("list", "pods", {}),
             ("create", "events", {"namespace": "default"}),
             ("list", "rescuepolicies", {"group": "xidflow.dev"}),
             ("watch", "warmstandbypolicies", {"group": "xidflow.dev"}),
@@ -221,8 +245,10 @@ def test_actuator_rbac_is_least_privilege(k8s, dyn, namespace, release) -> None:
                 assert time.monotonic() < deadline, f"actuator cannot {verb} {resource} {kw}"
                 time.sleep(0.2)
         must_not = [
-            ("get", "secrets", {"namespace": namespace}), ("list", "secrets", {}),
-            ("delete", "nodes", {}), ("create", "nodes", {}),
+            ("get", "secrets", {"namespace": namespace}),
+            ("list", "secrets", {}),
+            ("delete", "nodes", {}),
+            ("create", "nodes", {}),
             ("get", "configmaps", {"namespace": namespace, "name": "kube-root-ca.crt"}),
             ("update", "configmaps", {"namespace": "kube-system", "name": "xidflow-breaker"}),
             ("create", "jobs", {"group": "batch", "namespace": "default"}),

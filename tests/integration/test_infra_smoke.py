@@ -38,8 +38,13 @@ async def test_kafka_round_trip(kafka_bootstrap: str, unique) -> None:
             await producer.send_and_wait(topic, f"line {i}".encode(), key=f"node-{i % 3}".encode())
     finally:
         await producer.stop()
-    consumer = AIOKafkaConsumer(topic, bootstrap_servers=kafka_bootstrap, group_id=unique("g"),
-                                auto_offset_reset="earliest", enable_auto_commit=False)
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=kafka_bootstrap,
+        group_id=unique("g"),
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+    )
     await consumer.start()
     got: dict[str, list[int]] = {}
     try:
@@ -77,13 +82,17 @@ async def test_faust_app_processes_records(kafka_bootstrap: str, unique, tmp_pat
     await _create_topic(kafka_bootstrap, src)
     await _create_topic(kafka_bootstrap, dst)
     mod = tmp_path / "smoke_faust_app.py"
-    mod.write_text(textwrap.dedent(FAUST_APP.format(
-        app_id=unique("app"), broker=f"kafka://{kafka_bootstrap.split(',')[0]}", src=src, dst=dst)))
+    mod.write_text(
+        textwrap.dedent(
+            FAUST_APP.format(app_id=unique("app"), broker=f"kafka://{kafka_bootstrap.split(',')[0]}", src=src, dst=dst)
+        )
+    )
     worker = subprocess.Popen(  # noqa: ASYNC220 - starts a daemon, returns at once
-        [sys.executable, "-m", "faust", "-A", "smoke_faust_app", "worker", "-l", "warn",
-         "--without-web"],
-        cwd=tmp_path, env=dict(os.environ, PYTHONPATH=str(tmp_path)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        [sys.executable, "-m", "faust", "-A", "smoke_faust_app", "worker", "-l", "warn", "--without-web"],
+        cwd=tmp_path,
+        env=dict(os.environ, PYTHONPATH=str(tmp_path)),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
     )
     try:
         producer = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap)
@@ -116,8 +125,9 @@ async def test_faust_app_processes_records(kafka_bootstrap: str, unique, tmp_pat
 
 
 def _node(name: str) -> client.V1Node:
-    return client.V1Node(metadata=client.V1ObjectMeta(
-        name=name, labels={"nvidia.com/gpu.present": "true", "xidflow.dev/test": "smoke"}))
+    return client.V1Node(
+        metadata=client.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.present": "true", "xidflow.dev/test": "smoke"})
+    )
 
 
 def test_nodes_taints_conditions_events(k8s: client.ApiClient, unique) -> None:
@@ -126,22 +136,51 @@ def test_nodes_taints_conditions_events(k8s: client.ApiClient, unique) -> None:
     core.create_node(_node(name))
     try:
         assert name in {n.metadata.name for n in core.list_node(label_selector="xidflow.dev/test=smoke").items}
-        core.patch_node(name, {"spec": {"unschedulable": True, "taints": [
-            {"key": "xidflow.dev/gpu-fault", "value": "xid-79", "effect": "NoSchedule"}]}})
+        core.patch_node(
+            name,
+            {
+                "spec": {
+                    "unschedulable": True,
+                    "taints": [{"key": "xidflow.dev/gpu-fault", "value": "xid-79", "effect": "NoSchedule"}],
+                }
+            },
+        )
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        core.patch_node_status(name, {"status": {"conditions": [{
-            "type": "GpuXid", "status": "True", "reason": "Xid79", "message": "GPU has fallen off the bus",
-            "lastHeartbeatTime": now, "lastTransitionTime": now}]}})
+        core.patch_node_status(
+            name,
+            {
+                "status": {
+                    "conditions": [
+                        {
+                            "type": "GpuXid",
+                            "status": "True",
+                            "reason": "Xid79",
+                            "message": "GPU has fallen off the bus",
+                            "lastHeartbeatTime": now,
+                            "lastTransitionTime": now,
+                        }
+                    ]
+                }
+            },
+        )
         node = core.read_node(name)
         assert node.spec.unschedulable is True
         assert [t.key for t in node.spec.taints] == ["xidflow.dev/gpu-fault"]
         assert {c.type: c.status for c in node.status.conditions}["GpuXid"] == "True"
-        event = core.create_namespaced_event("default", client.CoreV1Event(
-            metadata=client.V1ObjectMeta(generate_name="xid-"),
-            involved_object=client.V1ObjectReference(kind="Node", name=name, uid=node.metadata.uid),
-            reason="XidError", message="Xid 79 on 0000:4e:00.0", type="Warning",
-            first_timestamp=now, last_timestamp=now, count=1,
-            source=client.V1EventSource(component="xidflow")))
+        event = core.create_namespaced_event(
+            "default",
+            client.CoreV1Event(
+                metadata=client.V1ObjectMeta(generate_name="xid-"),
+                involved_object=client.V1ObjectReference(kind="Node", name=name, uid=node.metadata.uid),
+                reason="XidError",
+                message="Xid 79 on 0000:4e:00.0",
+                type="Warning",
+                first_timestamp=now,
+                last_timestamp=now,
+                count=1,
+                source=client.V1EventSource(component="xidflow"),
+            ),
+        )
         assert core.read_namespaced_event(event.metadata.name, "default").reason == "XidError"
     finally:
         core.delete_node(name)
@@ -153,25 +192,53 @@ def test_eviction_refused_by_pdb(k8s: client.ApiClient, unique) -> None:
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     core.create_node(_node(node))
     try:
-        core.create_namespaced_pod(ns, client.V1Pod(
-            metadata=client.V1ObjectMeta(name=pod, labels={"app": "train"}),
-            spec=client.V1PodSpec(node_name=node, containers=[client.V1Container(name="c", image="busybox")])))
+        core.create_namespaced_pod(
+            ns,
+            client.V1Pod(
+                metadata=client.V1ObjectMeta(name=pod, labels={"app": "train"}),
+                spec=client.V1PodSpec(node_name=node, containers=[client.V1Container(name="c", image="busybox")]),
+            ),
+        )
         # No kubelet here: report the pod Running and Ready ourselves so the PDB counts it healthy.
         now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        core.patch_namespaced_pod_status(pod, ns, {"status": {"phase": "Running", "conditions": [
-            {"type": "Ready", "status": "True", "lastTransitionTime": now}]}})
-        policy.create_namespaced_pod_disruption_budget(ns, client.V1PodDisruptionBudget(
-            metadata=client.V1ObjectMeta(name="train"),
-            spec=client.V1PodDisruptionBudgetSpec(min_available=1,
-                                                  selector=client.V1LabelSelector(match_labels={"app": "train"}))))
+        core.patch_namespaced_pod_status(
+            pod,
+            ns,
+            {
+                "status": {
+                    "phase": "Running",
+                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
+                }
+            },
+        )
+        policy.create_namespaced_pod_disruption_budget(
+            ns,
+            client.V1PodDisruptionBudget(
+                metadata=client.V1ObjectMeta(name="train"),
+                spec=client.V1PodDisruptionBudgetSpec(
+                    min_available=1, selector=client.V1LabelSelector(match_labels={"app": "train"})
+                ),
+            ),
+        )
         # There is no disruption controller here; write the status it would compute (0 allowed).
         pdb = policy.read_namespaced_pod_disruption_budget("train", ns)
-        policy.patch_namespaced_pod_disruption_budget_status("train", ns, {"status": {
-            "observedGeneration": pdb.metadata.generation, "disruptionsAllowed": 0, "currentHealthy": 1,
-            "desiredHealthy": 1, "expectedPods": 1}})
+        policy.patch_namespaced_pod_disruption_budget_status(
+            "train",
+            ns,
+            {
+                "status": {
+                    "observedGeneration": pdb.metadata.generation,
+                    "disruptionsAllowed": 0,
+                    "currentHealthy": 1,
+                    "desiredHealthy": 1,
+                    "expectedPods": 1,
+                }
+            },
+        )
         with pytest.raises(ApiException) as refused:
-            core.create_namespaced_pod_eviction(pod, ns, client.V1Eviction(
-                metadata=client.V1ObjectMeta(name=pod, namespace=ns)))
+            core.create_namespaced_pod_eviction(
+                pod, ns, client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=ns))
+            )
         assert refused.value.status == 429, refused.value.body
     finally:
         core.delete_namespace(ns)
@@ -183,17 +250,26 @@ def test_rbac_narrow_service_account_cannot_delete_nodes(k8s: client.ApiClient, 
     ns, sa, role, node = unique("ns"), "reader", unique("role"), unique("node")
     core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
     core.create_namespaced_service_account(ns, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name=sa)))
-    rbac.create_cluster_role(client.V1ClusterRole(metadata=client.V1ObjectMeta(name=role), rules=[
-        client.V1PolicyRule(api_groups=[""], resources=["nodes"], verbs=["get", "list", "watch", "patch"])]))
-    rbac.create_cluster_role_binding(client.V1ClusterRoleBinding(
-        metadata=client.V1ObjectMeta(name=role),
-        role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=role),
-        subjects=[client.RbacV1Subject(kind="ServiceAccount", name=sa, namespace=ns)]))
+    rbac.create_cluster_role(
+        client.V1ClusterRole(
+            metadata=client.V1ObjectMeta(name=role),
+            rules=[client.V1PolicyRule(api_groups=[""], resources=["nodes"], verbs=["get", "list", "watch", "patch"])],
+        )
+    )
+    rbac.create_cluster_role_binding(
+        client.V1ClusterRoleBinding(
+            metadata=client.V1ObjectMeta(name=role),
+            role_ref=client.V1RoleRef(api_group="rbac.authorization.k8s.io", kind="ClusterRole", name=role),
+            subjects=[client.RbacV1Subject(kind="ServiceAccount", name=sa, namespace=ns)],
+        )
+    )
     core.create_node(_node(node))
     try:
         token = core.create_namespaced_service_account_token(
-            sa, ns, client.AuthenticationV1TokenRequest(
-                spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))).status.token
+            sa,
+            ns,
+            client.AuthenticationV1TokenRequest(spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600)),
+        ).status.token
         cfg = client.Configuration()
         cfg.host = k8s.configuration.host
         cfg.ssl_ca_cert = k8s.configuration.ssl_ca_cert
@@ -239,7 +315,11 @@ def test_local_cli_up_env_status_down(tmp_path: Path) -> None:
     assert set(exports) == {"KAFKA_BOOTSTRAP_SERVERS", "KUBECONFIG"}
     try:
         assert run("status").returncode == 0
-        check = subprocess.run([sys.executable, "-c", textwrap.dedent("""
+        check = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                textwrap.dedent("""
             import asyncio, os
             from kubernetes import client, config
             from aiokafka import AIOKafkaProducer, AIOKafkaConsumer
@@ -254,7 +334,13 @@ def test_local_cli_up_env_status_down(tmp_path: Path) -> None:
                 assert r.value == b"ok"
             asyncio.run(rt())
             print("round-trip ok")
-        """)], capture_output=True, text=True, env={**env, **exports}, timeout=120)
+        """),
+            ],
+            capture_output=True,
+            text=True,
+            env={**env, **exports},
+            timeout=120,
+        )
         assert check.returncode == 0 and "round-trip ok" in check.stdout, check.stderr
     finally:
         down = run("down")

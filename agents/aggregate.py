@@ -1,0 +1,102 @@
+"""Aggregation agent: fault events (and ticks) -> per-node state in a Faust table -> incidents.
+
+Thin: the rules are ``pipeline.aggregation.Aggregator``. The agent takes events in batches
+(``take_events``), applies them node by node in offset order, sends the incidents, waits until the
+broker has them, and only then writes each touched node's state to the table (one changelog record
+per node per batch, not one per event). Faust flushes the producer before it commits the batch's
+offsets. A crash therefore either replays events whose state was not written (the same incidents,
+same ids and revisions, are sent again: at-least-once) or events whose state was written (the
+state's last applied position makes the replay a no-op). No incident is lost behind a state that
+says it was sent.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from pipeline.aggregation import Aggregator, NodeState
+from schemas.records import DeadLetter, FaultEvent
+
+if TYPE_CHECKING:
+    from pipeline.app import XidflowApp
+
+log = logging.getLogger("xidflow.aggregate")
+
+STAGE = "aggregate"
+
+
+def register(xapp: XidflowApp) -> None:
+    app = xapp.app
+    table = xapp.node_state
+    aggregator = Aggregator(xapp.aggregation)
+    ticks_name = xapp.ticks.get_topic_name()
+    channel = app.topic(xapp.fault_events.get_topic_name(), ticks_name, key_serializer="raw", value_serializer="raw")
+    settings = xapp.settings
+
+    @app.agent(channel, name=f"{settings.app_id}-aggregate")
+    async def aggregate(stream: Any) -> None:
+        async for events in stream.take_events(settings.aggregate_batch, within=settings.aggregate_within_s):
+            by_node: dict[bytes, list[Any]] = {}
+            for event in events:
+                key = event.message.key
+                if not key:
+                    await _dead(xapp, event, "fault event without a node key")
+                    continue
+                by_node.setdefault(key, []).append(event)
+            now = time.time()
+            new_states: list[tuple[bytes, bytes, int]] = []
+            deliveries = []
+            for key, node_events in by_node.items():
+                stored: bytes | None = table.get(key)
+                if stored is None:
+                    state = aggregator.new_state(key.decode("utf-8", "replace"))
+                else:
+                    state = NodeState.from_bytes(stored)
+                outputs = []
+                for event in node_events:
+                    msg = event.message
+                    try:
+                        if msg.topic == ticks_name:
+                            state, out = aggregator.tick(state, now)
+                        else:
+                            fault = FaultEvent.from_bytes(msg.value)
+                            state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
+                    except Exception as exc:  # noqa: BLE001 - the worker never dies on input
+                        log.warning("fault event at %s[%d]@%d rejected: %s", msg.topic, msg.partition, msg.offset, exc)
+                        await _dead(xapp, event, f"invalid fault event: {str(exc).splitlines()[0]}")
+                        continue
+                    outputs += out
+                new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
+                for record in outputs:
+                    # force: bypass Faust "attachments" (held until the source offset commits; lost on a crash)
+                    deliveries.append(await xapp.incidents.send(key=key, value=record.to_bytes(), force=True))
+            # The state is written only after the broker has the incidents: a crash in between
+            # replays the events and sends the same incidents again (same ids), never loses one
+            # behind a state that says it was sent.
+            if deliveries:
+                await asyncio.gather(*deliveries)
+            for key, value, partition in new_states:
+                table.put(key, value, partition)
+
+    @app.timer(interval=settings.tick_interval_s)
+    async def request_ticks() -> None:
+        # Table writes must happen inside the agent (changelog ordering), so the timer only asks.
+        for key, stored in list(table.items()):
+            if stored is None:
+                continue
+            state = NodeState.from_bytes(stored)
+            if state.has_transient():
+                await xapp.ticks.send(key=key, value=b"tick", force=True)
+
+
+async def _dead(xapp: XidflowApp, event: Any, reason: str) -> None:
+    msg = event.message
+    key = msg.key.decode("utf-8", "replace") if msg.key else None
+    letter = DeadLetter.of(
+        STAGE, reason, msg.value, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
+    )
+    log.warning("dead letter from %s: %s", msg.topic, reason)
+    await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)

@@ -1,0 +1,34 @@
+"""Parse agent: hosts the batch parse stage (``pipeline.parse_stage``) as a service of the Faust app.
+
+Not a per-event Faust agent on purpose: see ``pipeline.parse_stage`` for why (speed), and how it keeps
+Faust's guarantees (commit only after outputs are acknowledged).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pipeline.parse_stage import ParseStage
+
+if TYPE_CHECKING:
+    from pipeline.app import XidflowApp
+
+
+def register(xapp: XidflowApp) -> ParseStage:
+    """Attach a parse stage (consumer group ``<app_id>-parse``) to the app; returns it."""
+    from pipeline.app import ParseService
+
+    stage = ParseStage(
+        xapp.bootstrap,
+        group_id=f"{xapp.settings.app_id}-parse",
+        topics=xapp.topics,
+        settings=xapp.parse,
+        client_id=f"{xapp.settings.app_id}-parse",
+    )
+
+    class _HostedParse(ParseService):
+        def __init__(self, **kwargs: object) -> None:
+            super().__init__(stage, **kwargs)
+
+    xapp.app.service(_HostedParse)
+    return stage

@@ -1,0 +1,404 @@
+"""Pipeline benchmark: the parse stage against a raw aiokafka consumer, and end-to-end latency.
+
+Sections are async functions ``section(ctx) -> dict`` registered in ``SECTIONS``; each adds its
+figures to one result dict. Later issues add sections (e.g. an actuator storm) with ``register``.
+
+- ``throughput``: N Fluent Bit kmsg records (0.1% faults) on a fresh topic; a raw aiokafka consumer
+  reads them all (baseline: fetch + iterate, nothing else), then the parse stage processes the same
+  records (gate, adapters, detector, produce fault events, commit after acks). Rates are measured
+  from the first batch received to the last batch processed, so group joins do not count; the
+  stage's commits overlap its processing, and the one final commit after the last batch is left
+  out of ``pipeline_rate`` (``pipeline_rates_incl_final_commit`` has it in). Best of ``repeats``
+  interleaved runs; the per-CPU-second rates are less sensitive to other load on the machine.
+- ``latency``: a real ``xidflow worker`` process; ~10,000 noise lines/s in the background and a fault
+  line for a fresh node every 100 ms; latency = incident received - fault line sent (wall clock).
+- ``parse``: the pure parse figures of ``pipeline.benchmarks.parse.run_parse_benchmark``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+
+from pipeline.parse_stage import ParseSettings, ParseStage
+from pipeline.settings import TopicNames
+
+ProgressFn = Callable[[str, float, float], None]
+"""progress(task, completed, total): how a section reports progress (the CLI draws it with rich)."""
+
+
+@dataclass
+class BenchContext:
+    bootstrap: str
+    records: int = 200_000
+    noise_rate: float = 10_000.0
+    latency_samples: int = 200
+    partitions: int = 4
+    repeats: int = 3
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    progress: ProgressFn = lambda task, done, total: None
+    results: dict[str, Any] = field(default_factory=dict)
+
+
+Section = Callable[[BenchContext], Awaitable[dict[str, Any]]]
+SECTIONS: dict[str, Section] = {}
+
+
+def register(name: str) -> Callable[[Section], Section]:
+    def wrap(fn: Section) -> Section:
+        SECTIONS[name] = fn
+        return fn
+
+    return wrap
+
+
+_NOISE = (
+    "IPv6: ADDRCONF(NETDEV_CHANGE): eth{n}: link becomes ready",
+    "mlx5_core 0000:{b:02x}:00.0: mlx5_fw_tracer_handle_traces:741:(pid {p}): FW tracer event",
+    "EXT4-fs (nvme0n1p{n}): mounted filesystem with ordered data mode. Quota mode: none.",
+    "cni0: port {n}(veth{p:x}) entered forwarding state",
+    "nvidia-uvm: Loaded the UVM driver, major device number {n}.",
+    "TCP: request_sock_TCP: Possible SYN flooding on port {p}. Sending cookies.",
+    "device veth{p:x} entered promiscuous mode",
+    "Memory cgroup out of memory: Killed process {p} (python3) total-vm:412192kB, anon-rss:62936kB",
+)
+_FAULTS = (
+    "NVRM: Xid (PCI:0000:{b:02x}:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+    "NVRM: Xid (PCI:0000:{b:02x}:00): 31, pid={p}, name=python3, Ch 00000008, intr 00000000. MMU Fault",
+    "NVRM: Xid (PCI:0000:{b:02x}:00): 13, pid={p}, name=python3, Graphics SM Warp Exception on "
+    "(GPC 1, TPC 2, SM 0): Out Of Range Address",
+)
+
+
+def kmsg_record(line: str, node: str, seq: int) -> bytes:
+    """A Fluent Bit kmsg-input record as its Kafka output writes it (format json)."""
+    return orjson.dumps(
+        {
+            "priority": 4,
+            "sequence": seq,
+            "sec": 1000 + seq // 1000,
+            "usec": seq % 1000,
+            "msg": line,
+            "hostname": node,
+            "@timestamp": time.time(),
+        }
+    )
+
+
+def make_corpus(records: int, fault_ratio: float = 0.001, nodes: int = 64, seed: int = 11) -> list[tuple[bytes, bytes]]:
+    """(key, value) pairs: ``records`` kmsg records over ``nodes`` nodes with ``fault_ratio`` faults."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(records):
+        node = f"bench-node-{rng.randrange(nodes)}"
+        templates = _FAULTS if rng.random() < fault_ratio else _NOISE
+        line = rng.choice(templates).format(n=rng.randrange(8), b=rng.randrange(256), p=rng.randrange(99999))
+        out.append((node.encode(), kmsg_record(line, node, i)))
+    return out
+
+
+async def produce_all(bootstrap: str, topic: str, corpus: list[tuple[bytes, bytes]], progress: ProgressFn) -> None:
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024, acks=1)
+    await producer.start()
+    try:
+        pending = []
+        for i, (key, value) in enumerate(corpus, 1):
+            pending.append(await producer.send(topic, value, key=key))
+            if len(pending) >= 20_000:
+                await asyncio.gather(*pending)
+                pending.clear()
+                progress("produce", i, len(corpus))
+        await asyncio.gather(*pending)
+        progress("produce", len(corpus), len(corpus))
+    finally:
+        await producer.stop()
+
+
+async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
+    from pipeline.app import ensure_topics
+
+    await ensure_topics(bootstrap, names, partitions)
+
+
+@dataclass
+class Rate:
+    wall: float  # records per wall-clock second, first batch to last
+    cpu: float  # records per CPU second of this process over the same span (less sensitive to load)
+
+
+def _rate(records: int, wall_s: float, cpu_s: float) -> Rate:
+    return Rate(records / wall_s if wall_s > 0 else float("inf"), records / cpu_s if cpu_s > 0 else float("inf"))
+
+
+async def raw_consume(bootstrap: str, topic: str, total: int, settings: ParseSettings, progress: ProgressFn) -> Rate:
+    """Rate of a bare aiokafka consumer (same fetch settings as the parse stage): fetch and iterate."""
+    consumer = AIOKafkaConsumer(
+        topic,
+        bootstrap_servers=bootstrap,
+        group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
+        auto_offset_reset="earliest",
+        enable_auto_commit=False,
+        fetch_max_bytes=settings.fetch_max_bytes,
+        max_partition_fetch_bytes=settings.max_partition_fetch_bytes,
+    )
+    await consumer.start()
+    seen = 0
+    first: tuple[float, float] | None = None
+    try:
+        while seen < total:
+            batches = await consumer.getmany(timeout_ms=settings.poll_timeout_ms, max_records=settings.max_records)
+            if batches and first is None:
+                first = (time.monotonic(), time.process_time())
+            for records in batches.values():
+                for _record in records:
+                    seen += 1
+            progress("raw consumer", seen, total)
+        start = first or (time.monotonic(), time.process_time())
+        return _rate(total, time.monotonic() - start[0], time.process_time() - start[1])
+    finally:
+        await consumer.stop()
+
+
+async def parse_stage_rate(ctx: BenchContext, topics: TopicNames, raw_topic: str, settings: ParseSettings) -> Rate:
+    stage = ParseStage(
+        ctx.bootstrap, f"bench-parse-{uuid.uuid4().hex[:8]}", topics=topics, settings=settings, input_topics=[raw_topic]
+    )
+
+    async def report() -> None:
+        while True:
+            ctx.progress("parse stage", stage.counters.records, ctx.records)
+            await asyncio.sleep(0.2)
+
+    reporter = asyncio.ensure_future(report())
+    try:
+        c = await stage.run(stop_after=ctx.records)
+    finally:
+        reporter.cancel()
+    ctx.progress("parse stage", c.records, ctx.records)
+    ctx.results["fault_events"] = c.events
+    ctx.results["dead_letters"] = c.dead_letters
+    ctx.results["noise_skipped"] = c.noise
+    ctx.results.setdefault("pipeline_rates_incl_final_commit", []).append(
+        c.records / ((c.drained_at or 0) - (c.first_batch_at or 0))
+    )
+    return _rate(
+        c.records, (c.last_batch_at or 0) - (c.first_batch_at or 0), (c.last_batch_cpu or 0) - (c.first_batch_cpu or 0)
+    )
+
+
+@register("throughput")
+async def throughput(ctx: BenchContext) -> dict[str, Any]:
+    """Raw consumer and parse stage on the same records, interleaved ``repeats`` times; best of each."""
+    topics = TopicNames(prefix=f"bench-{ctx.run_id}-")
+    raw_topic = topics.name("logs_kernel")
+    await create_topics(
+        ctx.bootstrap, [raw_topic, topics.name("fault_events"), topics.name("deadletter")], ctx.partitions
+    )
+    await produce_all(ctx.bootstrap, raw_topic, make_corpus(ctx.records), ctx.progress)
+    settings = ParseSettings()
+    raws: list[Rate] = []
+    stages: list[Rate] = []
+    for _ in range(ctx.repeats):
+        raws.append(await raw_consume(ctx.bootstrap, raw_topic, ctx.records, settings, ctx.progress))
+        stages.append(await parse_stage_rate(ctx, topics, raw_topic, settings))
+    raw_rate = max(r.wall for r in raws)
+    pipeline_rate = max(r.wall for r in stages)
+    raw_cpu = max(r.cpu for r in raws)
+    pipeline_cpu = max(r.cpu for r in stages)
+    return {
+        "records": ctx.records,
+        "repeats": ctx.repeats,
+        "raw_consume_rate": raw_rate,
+        "pipeline_rate": pipeline_rate,
+        "ratio": pipeline_rate / raw_rate,
+        "raw_consume_rate_cpu": raw_cpu,
+        "pipeline_rate_cpu": pipeline_cpu,
+        "ratio_cpu": pipeline_cpu / raw_cpu,
+        "raw_consume_rates": [r.wall for r in raws],
+        "pipeline_rates": [r.wall for r in stages],
+    }
+
+
+@register("latency")
+async def latency(ctx: BenchContext) -> dict[str, Any]:
+    from pipeline.app import worker_topics
+
+    prefix = f"bench-{ctx.run_id}-lat-"
+    topics = TopicNames(prefix=prefix)
+    await create_topics(ctx.bootstrap, worker_topics(f"bench-{ctx.run_id}", topics), ctx.partitions)
+    env = {
+        **os.environ,
+        "XIDFLOW_TOPIC_PREFIX": prefix,
+        "KAFKA_BOOTSTRAP_SERVERS": ctx.bootstrap,
+        "XIDFLOW_PARSE_POLL_TIMEOUT_MS": "5",
+    }
+    log_path = Path(tempfile.gettempdir()) / f"xidflow-bench-worker-{ctx.run_id}.log"
+    worker_log = log_path.open("wb")
+    worker = await asyncio.create_subprocess_exec(
+        *[
+            sys.executable,
+            "-m",
+            "pipeline.cli",
+            "worker",
+            "--app-id",
+            f"bench-{ctx.run_id}",
+            "--partitions",
+            str(ctx.partitions),
+            "--session-timeout",
+            "10",
+            "--loglevel",
+            "warning",
+        ],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=worker_log,
+    )
+    producer = AIOKafkaProducer(bootstrap_servers=ctx.bootstrap, linger_ms=1, acks=1)
+    consumer = AIOKafkaConsumer(
+        topics.name("incidents"), bootstrap_servers=ctx.bootstrap, auto_offset_reset="latest", group_id=None
+    )
+    await producer.start()
+    await consumer.start()
+    sent: dict[str, float] = {}
+    latencies: list[float] = []
+    kernel = topics.name("logs_kernel")
+    stop = asyncio.Event()
+    noise_sent = 0
+
+    async def noise() -> None:
+        nonlocal noise_sent
+        rng = random.Random(5)
+        tick = 0.01
+        per_tick = max(1, int(ctx.noise_rate * tick))
+        next_at = time.monotonic()
+        while not stop.is_set():
+            for _ in range(per_tick):
+                node = f"noise-{rng.randrange(64)}"
+                line = rng.choice(_NOISE).format(n=rng.randrange(8), b=rng.randrange(256), p=rng.randrange(99999))
+                await producer.send(kernel, kmsg_record(line, node, noise_sent), key=node.encode())
+                noise_sent += 1
+            next_at += tick
+            await asyncio.sleep(max(0.0, next_at - time.monotonic()))
+
+    async def faults(count: int, label: str) -> None:
+        for i in range(count):
+            node = f"lat-{ctx.run_id}-{label}-{i}"
+            value = kmsg_record(_FAULTS[0].format(b=0x4E), node, i)
+            sent[node] = time.time()
+            await producer.send(kernel, value, key=node.encode())
+            await asyncio.sleep(0.1)
+
+    async def collect(until: int, within_s: float) -> None:
+        deadline = time.monotonic() + within_s
+        while len(latencies) < until and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=100)
+            now = time.time()
+            for records in batches.values():
+                for rec in records:
+                    node = rec.key.decode() if rec.key else ""
+                    if (
+                        node.startswith(f"lat-{ctx.run_id}-m-")
+                        and node in sent
+                        and orjson.loads(rec.value).get("revision") == 0
+                    ):
+                        latencies.append((now - sent.pop(node)) * 1000)
+                        ctx.progress("latency", len(latencies), ctx.latency_samples)
+
+    try:
+        # Warm-up: the worker must have joined its groups and recovered before we time anything.
+        ready = False
+        warm_deadline = time.monotonic() + 120
+        while not ready and time.monotonic() < warm_deadline:
+            if worker.returncode is not None:
+                raise RuntimeError(f"worker exited: {log_path.read_text(errors='replace')[-2000:]}")
+            node = f"lat-{ctx.run_id}-w-{uuid.uuid4().hex[:6]}"
+            await producer.send_and_wait(kernel, kmsg_record(_FAULTS[0].format(b=0x4E), node, 0), key=node.encode())
+            t_end = time.monotonic() + 5
+            while time.monotonic() < t_end and not ready:
+                for records in (await consumer.getmany(timeout_ms=200)).values():
+                    ready = ready or any(r.key == node.encode() for r in records)
+            ctx.progress("worker warm-up", 1 if ready else 0, 1)
+        if not ready:
+            raise RuntimeError("worker did not produce an incident within 120 s")
+        noise_task = asyncio.ensure_future(noise())
+        await asyncio.sleep(2)  # let the noise reach steady state
+        noise_started, noise_count0 = time.monotonic(), noise_sent
+        fault_task = asyncio.ensure_future(faults(ctx.latency_samples, "m"))
+        await collect(ctx.latency_samples, within_s=ctx.latency_samples * 0.1 + 60)
+        achieved = (noise_sent - noise_count0) / (time.monotonic() - noise_started)
+        stop.set()
+        fault_task.cancel()
+        await asyncio.gather(noise_task, return_exceptions=True)
+    finally:
+        stop.set()
+        await consumer.stop()
+        await producer.stop()
+        if worker.returncode is None:
+            worker.terminate()
+            try:
+                await asyncio.wait_for(worker.wait(), 20)
+            except TimeoutError:
+                worker.kill()
+                await worker.wait()
+        worker_log.close()
+    latencies.sort()
+    if not latencies:
+        raise RuntimeError("no incident latency measured")
+    return {
+        "latency_p50_ms": _pct(latencies, 0.50),
+        "latency_p99_ms": _pct(latencies, 0.99),
+        "latency_max_ms": latencies[-1],
+        "latency_samples": len(latencies),
+        "latency_missing": ctx.latency_samples - len(latencies),
+        "background_noise_lines_per_s": achieved,
+    }
+
+
+@register("parse")
+async def pure_parse(ctx: BenchContext) -> dict[str, Any]:
+    try:
+        from pipeline.benchmarks.parse import run_parse_benchmark
+    except ImportError as exc:
+        return {"parse_error": f"pipeline.benchmarks.parse not importable: {exc}"}
+    ctx.progress("pure parse", 0, 1)
+    result = await asyncio.to_thread(run_parse_benchmark, 1_000_000, 0.001, 2)
+    ctx.progress("pure parse", 1, 1)
+    return {"parse": result}
+
+
+def _pct(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+async def run_bench(ctx: BenchContext, sections: list[str]) -> dict[str, Any]:
+    """Run the named sections in order; one failing section is reported, not fatal to the rest."""
+    ctx.results.update(
+        {
+            "started_at": datetime.now(UTC).isoformat(),
+            "bootstrap": ctx.bootstrap,
+            "cpus": os.cpu_count(),
+            "python": sys.version.split()[0],
+        }
+    )
+    for name in sections:
+        try:
+            ctx.results.update(await SECTIONS[name](ctx))
+        except Exception as exc:  # noqa: BLE001 - report which section failed and why
+            ctx.results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
+    ctx.results["finished_at"] = datetime.now(UTC).isoformat()
+    return ctx.results

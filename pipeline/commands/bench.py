@@ -1,0 +1,139 @@
+"""``xidflow bench``: throughput against a raw Kafka consumer, and end-to-end latency."""
+
+from __future__ import annotations
+
+import asyncio
+import tempfile
+from datetime import UTC, datetime
+from pathlib import Path
+
+import click
+
+
+@click.command("bench")
+@click.option(
+    "--json",
+    "json_path",
+    type=click.Path(dir_okay=False, path_type=Path),
+    default=None,
+    help="Also write the results to this JSON file.",
+)
+@click.option("--records", type=int, default=200_000, show_default=True, help="Records for the throughput run.")
+@click.option("--repeats", type=int, default=3, show_default=True, help="Interleaved throughput runs (best of).")
+@click.option("--latency-samples", type=int, default=200, show_default=True, help="Faults timed end to end.")
+@click.option(
+    "--noise-rate",
+    type=float,
+    default=10_000.0,
+    show_default=True,
+    help="Background noise lines/s during the latency run.",
+)
+@click.option(
+    "--sections", default="throughput,latency,parse", show_default=True, help="Comma-separated sections to run."
+)
+@click.option(
+    "--bootstrap",
+    envvar="KAFKA_BOOTSTRAP_SERVERS",
+    default=None,
+    help="Kafka to use; without it a local broker is started for the run.",
+)
+@click.option(
+    "--save-dir",
+    type=click.Path(file_okay=False, path_type=Path),
+    default=Path("bench-results"),
+    show_default=True,
+    help="Every run is saved here as bench-<time>.json.",
+)
+def bench(
+    json_path: Path | None,
+    records: int,
+    repeats: int,
+    latency_samples: int,
+    noise_rate: float,
+    sections: str,
+    bootstrap: str | None,
+    save_dir: Path,
+) -> None:
+    """Measure the parse stage against a raw aiokafka consumer, and line-to-incident latency."""
+    import orjson
+    from rich.console import Console
+    from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn
+    from rich.table import Table
+
+    from pipeline.benchmarks.pipeline import SECTIONS, BenchContext, run_bench
+
+    names = [s.strip() for s in sections.split(",") if s.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown:
+        raise click.BadParameter(f"unknown sections {unknown}; known: {sorted(SECTIONS)}", param_hint="--sections")
+    console = Console()
+    cluster = None
+    tmp = None
+    if not bootstrap:
+        from pipeline.localinfra.kafka import KafkaCluster
+
+        tmp = tempfile.TemporaryDirectory(prefix="xidflow-bench-kafka-")
+        console.print("KAFKA_BOOTSTRAP_SERVERS not set: starting a local Kafka broker for this run")
+        cluster = KafkaCluster(Path(tmp.name), brokers=1).start()
+        bootstrap = cluster.bootstrap
+    try:
+        with Progress(
+            TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(), console=console
+        ) as progress:
+            tasks: dict[str, int] = {}
+
+            def report(task: str, done: float, total: float) -> None:
+                if task not in tasks:
+                    tasks[task] = progress.add_task(task, total=total)
+                progress.update(tasks[task], completed=done, total=total)
+
+            ctx = BenchContext(
+                bootstrap=bootstrap,
+                records=records,
+                repeats=repeats,
+                noise_rate=noise_rate,
+                latency_samples=latency_samples,
+                progress=report,
+            )
+            results = asyncio.run(run_bench(ctx, names))
+    finally:
+        if cluster is not None:
+            cluster.stop()
+        if tmp is not None:
+            tmp.cleanup()
+
+    table = Table(title="xidflow bench")
+    table.add_column("measure")
+    table.add_column("value", justify="right")
+    rows = [
+        ("raw aiokafka consumer", "raw_consume_rate", "{:,.0f} records/s"),
+        ("parse stage", "pipeline_rate", "{:,.0f} records/s"),
+        ("parse stage / raw consumer", "ratio", "{:.1%}"),
+        ("raw consumer, per CPU second", "raw_consume_rate_cpu", "{:,.0f} records/s"),
+        ("parse stage, per CPU second", "pipeline_rate_cpu", "{:,.0f} records/s"),
+        ("ratio, CPU time", "ratio_cpu", "{:.1%}"),
+        ("latency p50 (line -> incident)", "latency_p50_ms", "{:.1f} ms"),
+        ("latency p99", "latency_p99_ms", "{:.1f} ms"),
+        ("latency samples", "latency_samples", "{}"),
+        ("background noise achieved", "background_noise_lines_per_s", "{:,.0f} lines/s"),
+    ]
+    for label, key, fmt in rows:
+        if key in results:
+            table.add_row(label, fmt.format(results[key]))
+    parse = results.get("parse")
+    if isinstance(parse, dict) and "parse_lines_per_s" in parse:
+        table.add_row("pure parse (one core)", f"{parse['parse_lines_per_s']:,.0f} lines/s")
+    for key, value in results.items():
+        if key.endswith("_error"):
+            table.add_row(f"[red]{key}", str(value))
+    console.print(table)
+    data = orjson.dumps(results, option=orjson.OPT_INDENT_2 | orjson.OPT_SERIALIZE_NUMPY)
+    save_dir.mkdir(parents=True, exist_ok=True)
+    saved = save_dir / f"bench-{datetime.now(UTC).strftime('%Y%m%dT%H%M%SZ')}.json"
+    saved.write_bytes(data)
+    console.print(f"saved {saved}")
+    if json_path is not None:
+        json_path.write_bytes(data)
+        console.print(f"wrote {json_path}")
+    if any(k.endswith("_error") for k in results):
+        raise SystemExit(1)

@@ -1,0 +1,64 @@
+"""``xidflow worker``: run the Faust worker (parse service + aggregation agent)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import click
+
+
+@click.command("worker")
+@click.option(
+    "--bootstrap",
+    envvar="KAFKA_BOOTSTRAP_SERVERS",
+    default="127.0.0.1:9092",
+    show_default=True,
+    help="Kafka bootstrap servers (host:port,...).",
+)
+@click.option("--app-id", default=None, help="Faust app id (consumer group prefix). [env XIDFLOW_WORKER_APP_ID]")
+@click.option("--partitions", type=int, default=None, help="Partitions of topics created if missing.")
+@click.option("--web-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
+@click.option("--parse/--no-parse", default=None, help="Run the parse service.")
+@click.option("--aggregate/--no-aggregate", default=None, help="Run the aggregation agent.")
+@click.option("--session-timeout", type=float, default=None, help="Group session timeout in seconds.")
+@click.option("--loglevel", default="info", show_default=True)
+def worker(
+    bootstrap: str,
+    app_id: str | None,
+    partitions: int | None,
+    web_port: int | None,
+    parse: bool | None,
+    aggregate: bool | None,
+    session_timeout: float | None,
+    loglevel: str,
+) -> None:
+    """Run the Faust parse and aggregation worker until interrupted."""
+    import faust
+
+    from pipeline.app import WorkerSettings, create_app, ensure_topics, worker_topics
+    from pipeline.settings import TopicNames
+
+    overrides = {
+        "app_id": app_id,
+        "partitions": partitions,
+        "web_port": web_port,
+        "parse": parse,
+        "aggregate": aggregate,
+        "session_timeout_s": session_timeout,
+    }
+    settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+    topics = TopicNames()
+    names = worker_topics(settings.app_id, topics)
+    # The fault-event topic's partition count decides the table's: they must be co-partitioned.
+    actual = asyncio.run(ensure_topics(bootstrap, names, settings.partitions, settings.replication_factor))
+    if actual != settings.partitions:
+        click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
+        settings = settings.model_copy(update={"partitions": actual})
+    if settings.web_port:
+        from prometheus_client import start_http_server
+
+        start_http_server(settings.web_port)
+    xapp = create_app(bootstrap, settings, topics)
+    logging.basicConfig(level=loglevel.upper())
+    faust.Worker(xapp.app, loglevel=loglevel, quiet=True).execute_from_commandline()

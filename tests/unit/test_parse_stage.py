@@ -1,0 +1,150 @@
+"""The pure part of the parse stage: raw Kafka records -> fault events / dead letters."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+import orjson
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pipeline.detect import prefilter
+from pipeline.parse_stage import ParseCore, ParseSettings
+from pipeline.settings import TopicNames
+from schemas.records import FaultKind, HealthCheckResult
+
+TOPICS = TopicNames()
+KERNEL = TOPICS.name("logs_kernel")
+HEALTH = TOPICS.name("health_checks")
+XID79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+
+
+@dataclass
+class Rec:
+    value: bytes | None
+    key: bytes | None = b"node-a"
+    topic: str = KERNEL
+    partition: int = 0
+    offset: int = 0
+    headers: list = field(default_factory=list)
+    timestamp: int = 1_735_689_600_000
+
+
+def kmsg(line: str, node: str = "node-a") -> bytes:
+    return orjson.dumps({"priority": 4, "sec": 1, "usec": 0, "msg": line, "hostname": node})
+
+
+def test_noise_is_skipped_without_decoding_and_faults_become_events() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0))
+    records = [Rec(kmsg(f"eth0: link up {i}"), offset=i) for i in range(100)] + [Rec(kmsg(XID79), offset=100)]
+    result = core.process(records)
+    assert (result.records, result.noise, result.decoded) == (101, 100, 1)
+    assert [(e.kind, e.code, e.pci, e.node) for e in result.events] == [(FaultKind.XID, 79, "0000:4e:00.0", "node-a")]
+    assert result.dead_letters == []
+
+
+def test_malformed_candidates_and_sampled_noise_are_dead_lettered_with_a_reason() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=2))
+    records = [
+        Rec(b'{"msg": "NVRM: Xid (PCI:0000:4e:00): 79"', offset=1),  # truncated JSON naming a fault
+        Rec(b"", offset=2),
+        Rec(None, offset=3),
+        Rec(b'{"unknown": "shape"}', offset=4),  # noise, not sampled
+        Rec(b'{"another": "shape"}', offset=5),  # noise, sampled (every 2nd)
+    ]
+    result = core.process(records)
+    reasons = [d.reason for d in result.dead_letters]
+    assert len(reasons) == 4, reasons
+    assert "invalid JSON" in reasons[0] and "offset 1" in reasons[0]
+    assert all(d.topic == KERNEL for d in result.dead_letters)
+
+
+def test_unicode_escaped_json_is_never_taken_for_noise() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0))
+    escaped = orjson.dumps({"msg": XID79.replace("<", "\\u003c"), "priority": 4}).replace(b"\\\\u003c", b"\\u003c")
+    result = core.process([Rec(escaped)])
+    assert result.noise == 0 and [e.code for e in result.events] == [79]
+
+
+def test_health_checks_pass_through_as_events_and_bad_ones_are_dead_letters() -> None:
+    core = ParseCore(TOPICS)
+    ts = datetime(2025, 1, 1, tzinfo=UTC)
+    ok = HealthCheckResult(node="node-a", check="gpu_count", passed=True, boot_id="b1", ts=ts)
+    bad = HealthCheckResult(node="node-a", check="ecc", passed=False, boot_id="b1", ts=ts, message="uncorrectable")
+    result = core.process(
+        [
+            Rec(ok.to_bytes(), topic=HEALTH),
+            Rec(bad.to_bytes(), topic=HEALTH, offset=1),
+            Rec(b"not json", topic=HEALTH, offset=2),
+        ]
+    )
+    assert [(e.kind, e.detail.get("check"), e.detail.get("passed")) for e in result.events] == [
+        (FaultKind.HEALTH_CHECK, "gpu_count", True),
+        (FaultKind.HEALTH_CHECK, "ecc", None),
+    ]
+    assert result.events[1].action.quarantines
+    assert len(result.dead_letters) == 1 and "HealthCheckResult" in result.dead_letters[0].reason
+
+
+def test_partial_multiline_message_holds_the_commit_until_flushed() -> None:
+    core = ParseCore(TOPICS, ParseSettings(multiline_timeout_s=5))
+    first = Rec(kmsg("NVRM: The NVIDIA GPU 0000:4e:00.0"), offset=7)
+    result = core.process([first], now=0.0)
+    assert result.events == [] and core.held_offsets() == {(KERNEL, 0): 7}
+    lines = [
+        "NVRM: (PCI ID: 10de:2330) installed in this system has",
+        "NVRM: fallen off the bus and is not responding to commands.",
+    ]
+    result = core.process([Rec(kmsg(line), offset=8 + i) for i, line in enumerate(lines)], now=1.0)
+    assert [e.kind for e in result.events] == [FaultKind.GPU_FALLEN_OFF_BUS]
+    assert core.held_offsets() == {}
+
+
+def test_parse_errors_never_escape() -> None:
+    def broken(*args, **kwargs):  # an adapter bug must not kill the worker
+        raise RuntimeError("boom")
+
+    core = ParseCore(TOPICS, decode_record=broken)
+    result = core.process([Rec(kmsg(XID79))])
+    assert len(result.dead_letters) == 1 and "boom" in result.dead_letters[0].reason
+
+
+_fragments = st.sampled_from(
+    [
+        "NVRM: ",
+        "NVRM:",
+        "SXid (",
+        "libnccl",
+        "error",
+        "RROR",
+        "ailure",
+        "ssert",
+        "misaligned",
+        "ordinal",
+        "Watchdog",
+        "remote process",
+        "eth0 up",
+        " ",
+        "\\u003c",
+        "Xid",
+        "\x00",
+        "é",
+    ]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(_fragments, max_size=6).map("".join), min_size=1, max_size=30))
+def test_gate_keeps_every_payload_the_prefilter_could_pass(lines: list[str]) -> None:
+    """The batch gate must never call noise what ``prefilter`` would let through (both matchers)."""
+    values = [line.encode() for line in lines]
+    for use_automaton in (True, False):
+        core = ParseCore(TOPICS, ParseSettings(shape_check_every=0), use_automaton=use_automaton)
+        wanted = set(core.candidates(values))
+        for i, line in enumerate(lines):
+            if prefilter(line):
+                assert i in wanted, (use_automaton, line)
+            if "\\u" in line:
+                assert i in wanted
+        assert wanted <= {i for i, line in enumerate(lines) if prefilter(line) or "\\u" in line or not line}
