@@ -17,8 +17,9 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any
 
+from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
-from schemas.records import DeadLetter, FaultEvent
+from schemas.records import DeadLetter, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
     from pipeline.app import XidflowApp
@@ -73,6 +74,7 @@ def register(xapp: XidflowApp) -> None:
                 for record in outputs:
                     # force: bypass Faust "attachments" (held until the source offset commits; lost on a crash)
                     deliveries.append(await xapp.incidents.send(key=key, value=record.to_bytes(), force=True))
+                    _observe(record, now)
             # The state is written only after the broker has the incidents: a crash in between
             # replays the events and sends the same incidents again (same ids), never loses one
             # behind a state that says it was sent.
@@ -90,6 +92,16 @@ def register(xapp: XidflowApp) -> None:
             state = NodeState.from_bytes(stored)
             if state.has_transient():
                 await xapp.ticks.send(key=key, value=b"tick", force=True)
+
+
+def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
+    if isinstance(record, NodeRecovered):
+        metrics.RECOVERIES.labels(record.reason).inc()
+        return
+    metrics.INCIDENTS.labels(record.action.value).inc()
+    if record.revision == 0 and record.source_ts is not None:
+        # Log time of the opening line to the incident: the latency a fleet operator cares about.
+        metrics.E2E_LATENCY.observe(max(0.0, now - record.source_ts.timestamp()))
 
 
 async def _dead(xapp: XidflowApp, event: Any, reason: str) -> None:

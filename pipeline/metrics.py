@@ -5,6 +5,7 @@ Each process serves them at ``:$XIDFLOW_METRICS_PORT/metrics`` (default 9400; 0 
 
 from __future__ import annotations
 
+import logging
 import os
 
 from prometheus_client import Counter, Gauge, Histogram, start_http_server
@@ -32,6 +33,11 @@ def serve_metrics(port: int | None = None) -> int | None:
     if port <= 0:
         return None
     if port not in _started:
-        start_http_server(port, addr=os.environ.get("XIDFLOW_METRICS_ADDR", "0.0.0.0"))
+        try:
+            start_http_server(port, addr=os.environ.get("XIDFLOW_METRICS_ADDR", "0.0.0.0"))
+        except OSError as exc:
+            # Metrics are for observing; a busy port (another process on this host) must not stop the work.
+            logging.getLogger("xidflow.metrics").warning("metrics not served on port %d: %s", port, exc)
+            return None
         _started.add(port)
     return port

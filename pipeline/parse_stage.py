@@ -39,6 +39,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline import metrics
 from pipeline.settings import TopicNames
 from schemas.records import (
     Action,
@@ -535,6 +536,15 @@ class ParseStage:
             result.records += part.records
             result.noise += part.noise
             ends[tp] = records[-1].offset + 1
+            # Metrics per batch, not per record: the hot path stays free of per-line bookkeeping.
+            metrics.LINES_IN.labels(tp.topic).inc(len(records))
+            highwater = consumer.highwater(tp)
+            if highwater is not None:
+                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - ends[tp]))
+        for ev in result.events:
+            metrics.FAULT_EVENTS.labels(ev.kind.value).inc()
+        for dl in result.dead_letters:
+            metrics.DEADLETTERS.labels(dl.stage, dl.reason.split(":", 1)[0][:60]).inc()
         futures = await self._send(producer, result.events, result.dead_letters)
         c = self.counters
         c.records += result.records

@@ -71,6 +71,9 @@ def loki_tail(
         raise click.BadParameter(str(exc), param_hint="--loki-url") from exc
 
     async def main() -> None:
+        from pipeline.metrics import serve_metrics
+
+        serve_metrics()
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

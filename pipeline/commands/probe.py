@@ -68,6 +68,10 @@ def probe(
 ) -> None:
     """Check GPU count, NVLink, ECC, remapped rows and driver responsiveness through NVML."""
     nvml = load_nvml()
+    if not once:
+        from pipeline.metrics import serve_metrics
+
+        serve_metrics()
     code = asyncio.run(
         probe_loop(
             nvml,

@@ -55,10 +55,9 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
-    if settings.web_port:
-        from prometheus_client import start_http_server
+    from pipeline.metrics import serve_metrics
 
-        start_http_server(settings.web_port)
+    serve_metrics(settings.web_port or None)
     xapp = create_app(bootstrap, settings, topics)
     logging.basicConfig(level=loglevel.upper())
     faust.Worker(xapp.app, loglevel=loglevel, quiet=True).execute_from_commandline()

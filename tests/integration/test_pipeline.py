@@ -24,6 +24,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from pipeline.app import ensure_topics, worker_topics
+from pipeline.localinfra.procs import free_port
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult
 
@@ -36,6 +37,7 @@ T0 = 1_750_000_000.0  # log time of the lines (epoch s); windows are on log time
 XID = "NVRM: Xid (PCI:0000:{bus}:00): {code}, pid=1234, name=python3, {text}"
 SENTINEL = "NVRM: Xid (PCI:0000:{bus:02x}:00): 62, pid=1, name=x, Internal micro-controller halt"
 SENTINEL_BUSES = range(0xE0, 0x100)  # each sentinel of a node on its own GPU: a new signature each time
+METRICS_PORT = free_port()
 WORKER_ENV = {
     "XIDFLOW_WORKER_TICK_INTERVAL_S": "1",
     "XIDFLOW_AGG_QUIET_PERIOD_S": "3",
@@ -221,7 +223,8 @@ def shared_worker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
     tag = uuid.uuid4().hex[:8]
     prefix, app_id = f"t-pipe-{tag}-", f"t-pipe-{tag}"
     asyncio.run(ensure_topics(kafka_bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), PARTITIONS))
-    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path_factory.mktemp("workers")).start()
+    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path_factory.mktemp("workers"),
+                    extra_env={"XIDFLOW_METRICS_PORT": str(METRICS_PORT)}).start()
 
     async def ready() -> None:
         async with Pipeline(kafka_bootstrap, prefix) as pipe:
@@ -379,3 +382,25 @@ async def test_malformed_input_goes_to_the_dead_letter_topic_and_the_worker_live
     assert "invalid JSON" in reasons and "without node" in reasons
     assert "HealthCheckResult" in reasons and "invalid fault event" in reasons
     assert {d["stage"] for d in letters} >= {"adapter", "parse", "aggregate"}
+
+
+def test_worker_serves_the_contract_metrics(shared_worker: tuple[str, str]) -> None:
+    """The worker's /metrics carries the dashboard's series, counting what it really processed."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def total(name: str, **labels: str) -> float:
+        return sum(v for (n, lab), v in samples.items()
+                   if n == name and all(dict(lab).get(k) == val for k, val in labels.items()))
+
+    assert total("xidflow_lines_total") > 0
+    assert total("xidflow_fault_events_total", kind="xid") > 0
+    assert total("xidflow_incidents_total", action="REBOOT_NODE") > 0
+    assert total("xidflow_e2e_latency_seconds_count") > 0
+    assert any(n == "xidflow_consumer_lag" for n, _ in samples)
