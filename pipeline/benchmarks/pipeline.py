@@ -50,6 +50,8 @@ class BenchContext:
     partitions: int = 4
     repeats: int = 3
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    kubeconfig: str | None = None
+    storm_nodes: int = 500
     progress: ProgressFn = lambda task, done, total: None
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -378,6 +380,19 @@ async def pure_parse(ctx: BenchContext) -> dict[str, Any]:
     result = await asyncio.to_thread(run_parse_benchmark, 1_000_000, 0.001, 2)
     ctx.progress("pure parse", 1, 1)
     return {"parse": result}
+
+
+@register("storm")
+async def actuator_storm(ctx: BenchContext) -> dict[str, Any]:
+    """N nodes each get a fatal incident at once; seconds until all are quarantined in the API server."""
+    if not ctx.kubeconfig:
+        return {"storm_error": "no Kubernetes API server (KUBECONFIG) for the storm"}
+    from pipeline.benchmarks.storm import storm
+
+    ctx.progress("actuator storm", 0, 1)
+    result = await storm(ctx.storm_nodes, ctx.bootstrap, ctx.kubeconfig)
+    ctx.progress("actuator storm", 1, 1)
+    return result
 
 
 def _pct(sorted_values: list[float], q: float) -> float:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,8 +30,10 @@ import click
     help="Background noise lines/s during the latency run.",
 )
 @click.option(
-    "--sections", default="throughput,latency,parse", show_default=True, help="Comma-separated sections to run."
+    "--sections", default="throughput,latency,parse,storm", show_default=True, help="Comma-separated sections to run."
 )
+@click.option("--storm-nodes", type=click.IntRange(1, 5000), default=500, show_default=True,
+              help="Nodes that get a fatal Xid at once in the actuator storm.")
 @click.option(
     "--bootstrap",
     envvar="KAFKA_BOOTSTRAP_SERVERS",
@@ -53,6 +56,7 @@ def bench(
     sections: str,
     bootstrap: str | None,
     save_dir: Path,
+    storm_nodes: int,
 ) -> None:
     """Measure the parse stage against a raw aiokafka consumer, and line-to-incident latency."""
     import orjson
@@ -67,15 +71,19 @@ def bench(
     if unknown:
         raise click.BadParameter(f"unknown sections {unknown}; known: {sorted(SECTIONS)}", param_hint="--sections")
     console = Console()
-    cluster = None
+    infra = None
     tmp = None
-    if not bootstrap:
-        from pipeline.localinfra.kafka import KafkaCluster
+    kubeconfig = os.environ.get("KUBECONFIG")
+    if not bootstrap or ("storm" in names and not kubeconfig):
+        from pipeline.localinfra.launcher import LocalInfra
 
-        tmp = tempfile.TemporaryDirectory(prefix="xidflow-bench-kafka-")
-        console.print("KAFKA_BOOTSTRAP_SERVERS not set: starting a local Kafka broker for this run")
-        cluster = KafkaCluster(Path(tmp.name), brokers=1).start()
-        bootstrap = cluster.bootstrap
+        tmp = tempfile.TemporaryDirectory(prefix="xidflow-bench-")
+        console.print("starting local infrastructure for this run (endpoints in the environment are used as given)")
+        if bootstrap:
+            os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+        infra = LocalInfra(Path(tmp.name), log=lambda m: console.print(f"[dim]local:[/] {m}"))
+        endpoints = infra.up(detach=False)
+        bootstrap, kubeconfig = endpoints.kafka_bootstrap, endpoints.kubeconfig
     try:
         with Progress(
             TextColumn("{task.description}"), BarColumn(), TaskProgressColumn(), TimeElapsedColumn(), console=console
@@ -93,12 +101,14 @@ def bench(
                 repeats=repeats,
                 noise_rate=noise_rate,
                 latency_samples=latency_samples,
+                kubeconfig=kubeconfig,
+                storm_nodes=storm_nodes,
                 progress=report,
             )
             results = asyncio.run(run_bench(ctx, names))
     finally:
-        if cluster is not None:
-            cluster.stop()
+        if infra is not None:
+            infra.down(quiet=True)
         if tmp is not None:
             tmp.cleanup()
 
@@ -116,6 +126,9 @@ def bench(
         ("latency p99", "latency_p99_ms", "{:.1f} ms"),
         ("latency samples", "latency_samples", "{}"),
         ("background noise achieved", "background_noise_lines_per_s", "{:,.0f} lines/s"),
+        ("storm: nodes quarantined at once", "storm_nodes", "{}"),
+        ("storm: seconds until all quarantined", "storm_seconds", "{:.2f} s"),
+        ("storm: nodes quarantined per second", "storm_nodes_per_s", "{:,.0f} nodes/s"),
     ]
     for label, key, fmt in rows:
         if key in results:
