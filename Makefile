@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-known-issues setup infra lint bench schemas clean
+.PHONY: demo test setup infra lint bench schemas clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,12 +27,8 @@ lint: setup
 	$(VENV)/bin/ruff check .
 
 test: infra lint
-	@$(PY) -m pytest -ra --durations=15 -m "not known_issue" tests; rc=$$?; \
+	@$(PY) -m pytest -ra --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
-
-# Tests of defects still open (see their known_issue reasons); not part of CI until fixed.
-test-known-issues: infra
-	$(PY) -m pytest -ra -m known_issue tests
 
 bench: infra
 	$(VENV)/bin/xidflow bench --json bench-results/bench.json

@@ -112,3 +112,4 @@ async def _dead(xapp: XidflowApp, event: Any, reason: str) -> None:
     )
     log.warning("dead letter from %s: %s", msg.topic, reason)
     await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
+

@@ -187,6 +187,9 @@ def create_app(
         parse_agent.register(xapp)
     if settings.aggregate:
         aggregate_agent.register(xapp)
+        from pipeline import fetch_watchdog
+
+        fetch_watchdog.install(xapp.app, {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()})
     return xapp
 
 

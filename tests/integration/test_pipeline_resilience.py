@@ -103,10 +103,6 @@ async def test_restarted_worker_remembers_open_incidents_and_does_not_re_emit(
     assert incidents[1]["action"] == "CONTACT_SUPPORT" and incidents[1]["count"] == 3
 
 
-@pytest.mark.known_issue(
-    "about 1 run in 3 within the full suite, the surviving Faust worker never consumes one or two fault-event "
-    "partitions that had no committed offset when their owner was SIGKILLed (issue 4 stays open for it)"
-)
 async def test_two_workers_one_killed_mid_stream_lose_nothing_and_double_nothing(
     kafka_bootstrap: str, tmp_path: Path
 ) -> None:
