@@ -47,11 +47,29 @@ def worker(
         "aggregate": aggregate,
         "session_timeout_s": session_timeout,
     }
-    settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
-    topics = TopicNames()
+    from aiokafka.errors import KafkaError
+    from pydantic import ValidationError
+
+    from pipeline.aggregation import AggregationSettings
+    from pipeline.catalog import Catalog, CatalogError
+    from pipeline.parse_stage import ParseSettings
+
+    try:  # every setting is checked before anything connects: a bad value changes nothing
+        settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
+        topics = TopicNames()
+        AggregationSettings()
+        ParseSettings()
+        Catalog.from_settings()
+    except ValidationError as exc:
+        raise click.ClickException(f"invalid settings (XIDFLOW_*):\n{exc}") from exc
+    except CatalogError as exc:
+        raise click.ClickException(f"invalid catalog override: {exc}") from exc
     names = worker_topics(settings.app_id, topics)
     # The fault-event topic's partition count decides the table's: they must be co-partitioned.
-    actual = asyncio.run(ensure_topics(bootstrap, names, settings.partitions, settings.replication_factor))
+    try:
+        actual = asyncio.run(ensure_topics(bootstrap, names, settings.partitions, settings.replication_factor))
+    except (KafkaError, OSError) as exc:
+        raise click.ClickException(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})

@@ -11,7 +11,7 @@ import datetime as dt
 import ipaddress
 import ssl
 import urllib.request
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from cryptography import x509
@@ -123,10 +123,7 @@ class ControlPlane:
         return self.root / "kubeconfig"
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("log", None)
-        d["root"] = str(self.root)
-        return d
+        return procs.state_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict, log: Log = print) -> ControlPlane:

@@ -11,7 +11,7 @@ import os
 import shutil
 import subprocess
 import uuid
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.localinfra import procs
@@ -77,10 +77,7 @@ class KafkaCluster:
         return ",".join(f"127.0.0.1:{n.port}" for n in self.nodes)
 
     def to_dict(self) -> dict:
-        d = asdict(self)
-        d.pop("log", None)
-        d["root"] = str(self.root)
-        return d
+        return procs.state_dict(self)
 
     @classmethod
     def from_dict(cls, d: dict, log: Log = print) -> KafkaCluster:

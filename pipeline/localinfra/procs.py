@@ -9,11 +9,20 @@ import socket
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from pathlib import Path
 
 
 class StartError(RuntimeError):
     """A local service did not come up; the message names it and quotes its log."""
+
+
+def state_dict(obj: object) -> dict:
+    """A launcher dataclass as JSON-ready state: paths as strings, the log callback left out."""
+    d = asdict(obj)  # type: ignore[call-overload]
+    d.pop("log", None)
+    d["root"] = str(d["root"])
+    return d
 
 
 def free_port() -> int:
