@@ -158,7 +158,7 @@ class ControlPlane:
             if procs.port_open(port):
                 raise procs.StartError(f"control plane: port {port} is already in use")
         etcd_log = self.root / "etcd.log"
-        if not procs.alive(self.etcd_pid):
+        if not procs.alive(self.etcd_pid, str(self.root)):
             self.etcd_pid = procs.spawn(
                 [str(dist.etcd), "--name=xidflow", f"--data-dir={self.root / 'etcd'}",
                  f"--listen-client-urls=http://127.0.0.1:{self.etcd_port}",
@@ -192,13 +192,13 @@ class ControlPlane:
         return self
 
     def stop(self) -> None:
-        procs.stop(self.api_pid)
+        procs.stop(self.api_pid, expect=str(self.root))
         self.api_pid = None
-        procs.stop(self.etcd_pid)
+        procs.stop(self.etcd_pid, expect=str(self.root))
         self.etcd_pid = None
 
     def running(self) -> dict[str, bool]:
         return {
-            "etcd": procs.alive(self.etcd_pid) and procs.port_open(self.etcd_port),
-            "kube-apiserver": procs.alive(self.api_pid) and procs.port_open(self.api_port),
+            "etcd": procs.alive(self.etcd_pid, str(self.root)) and procs.port_open(self.etcd_port),
+            "kube-apiserver": procs.alive(self.api_pid, str(self.root)) and procs.port_open(self.api_port),
         }

@@ -169,7 +169,7 @@ class KafkaCluster:
         return self
 
     def _launch(self, dist: KafkaDist, node: KafkaNode) -> None:
-        if procs.alive(node.pid):
+        if procs.alive(node.pid, str(self.root)):
             return
         for port in (node.port, node.controller_port):
             if procs.port_open(port):
@@ -199,7 +199,7 @@ class KafkaCluster:
         import signal
 
         node = self._node(node_id)
-        procs.stop(node.pid, sig=signal.SIGKILL if hard else signal.SIGTERM)
+        procs.stop(node.pid, sig=signal.SIGKILL if hard else signal.SIGTERM, expect=str(self.root))
         node.pid = None
 
     def start_broker(self, node_id: int, timeout: float = 90.0) -> None:
@@ -220,8 +220,8 @@ class KafkaCluster:
 
     def stop(self) -> None:
         for node in self.nodes:
-            procs.stop(node.pid)
+            procs.stop(node.pid, expect=str(self.root))
             node.pid = None
 
     def running(self) -> dict[int, bool]:
-        return {n.node_id: procs.alive(n.pid) and procs.port_open(n.port) for n in self.nodes}
+        return {n.node_id: procs.alive(n.pid, str(self.root)) and procs.port_open(n.port) for n in self.nodes}

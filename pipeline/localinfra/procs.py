@@ -48,9 +48,21 @@ def spawn(cmd: list[str], log_file: Path, cwd: Path | None = None, env: dict[str
     return proc.pid
 
 
-def alive(pid: int | None) -> bool:
+def alive(pid: int | None, expect: str | None = None) -> bool:
+    """True when ``pid`` runs; with ``expect``, only when its command line contains that text.
+
+    State files outlive processes (a reboot, a new session): a recorded pid may since belong to an
+    unrelated process, which must never be taken for ours, let alone signalled.
+    """
     if not pid:
         return False
+    if expect is not None:
+        try:
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            return False
+        if expect not in cmdline:
+            return False
     try:
         # Reap it if it is our exited child, so a zombie does not count as alive.
         with contextlib.suppress(ChildProcessError):
@@ -68,9 +80,12 @@ def alive(pid: int | None) -> bool:
         return True
 
 
-def stop(pid: int | None, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
-    """Signal a daemon's whole process group and wait; SIGKILL after the timeout."""
-    if not alive(pid):
+def stop(pid: int | None, timeout: float = 20.0, sig: int = signal.SIGTERM, expect: str | None = None) -> None:
+    """Signal a daemon's whole process group and wait; SIGKILL after the timeout.
+
+    ``expect``: text its command line must contain (see ``alive``); otherwise it is not ours.
+    """
+    if not alive(pid, expect):
         return
     assert pid is not None
     with contextlib.suppress(ProcessLookupError, PermissionError):

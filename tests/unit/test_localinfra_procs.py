@@ -1,0 +1,30 @@
+"""A pid recorded in a state file is only ours while its command line still says so."""
+
+import os
+import subprocess
+import sys
+import time
+
+from pipeline.localinfra import procs
+
+
+def test_alive_checks_the_command_line_when_asked() -> None:
+    assert procs.alive(os.getpid())
+    assert procs.alive(os.getpid(), expect="python")
+    assert not procs.alive(os.getpid(), expect="/no/such/xidflow/state-dir")
+
+
+def test_stop_leaves_a_process_that_is_not_ours_alone() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"], start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while not procs.alive(child.pid, expect="time.sleep"):  # until exec replaced the forked parent's cmdline
+            assert time.monotonic() < deadline, "child never started"
+            time.sleep(0.02)
+        procs.stop(child.pid, timeout=1, expect="/no/such/xidflow/state-dir")
+        assert child.poll() is None, "a process whose command line does not match was signalled"
+        procs.stop(child.pid, timeout=5, expect="time.sleep")
+        assert child.wait(timeout=5) is not None
+    finally:
+        if child.poll() is None:
+            child.kill()
