@@ -23,7 +23,6 @@ from dataclasses import dataclass
 
 import faust
 import mode
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -225,28 +224,3 @@ class ParseService(mode.Service):
                 self._run_task.cancel()
 
 
-async def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1) -> int:
-    """Create missing topics; return the partition count of the first one (existing or created).
-
-    The broker's auto-creation would make one-partition topics, which would break the node-keyed
-    co-partitioning of fault events and the node-state changelog.
-    """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        existing = set(await admin.list_topics())
-        missing = [n for n in dict.fromkeys(names) if n not in existing]
-        if missing:
-            try:
-                await admin.create_topics(
-                    [NewTopic(n, num_partitions=partitions, replication_factor=replication_factor) for n in missing]
-                )
-            except Exception as exc:  # noqa: BLE001 - a concurrent worker may have created them first
-                log.info("create_topics: %s", exc)
-        described = await admin.describe_topics([names[0]])
-        for topic in described:
-            if topic.get("topic") == names[0] and topic.get("partitions"):
-                return len(topic["partitions"])
-        return partitions
-    finally:
-        await admin.close()

@@ -13,8 +13,6 @@ from datetime import UTC, datetime
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
-from aiokafka.errors import TopicAlreadyExistsError
 
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
@@ -107,19 +105,6 @@ async def delete_nodes(kube: Kube, names: Iterable[str], parallel: int = 32) -> 
                 pass
 
     await asyncio.gather(*(one(n) for n in names))
-
-
-async def create_topics(bootstrap: str, names: Iterable[str], partitions: int = 4) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        for name in names:
-            try:
-                await admin.create_topics([NewTopic(name, partitions, 1)])
-            except TopicAlreadyExistsError:
-                pass
-    finally:
-        await admin.close()
 
 
 async def publish(bootstrap: str, topic: str, records: Iterable[Any]) -> None:

@@ -34,6 +34,7 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from pipeline.kafka_admin import ensure_topics
 from pipeline.parse_stage import ParseSettings, ParseStage
 from pipeline.settings import TopicNames
 
@@ -130,12 +131,6 @@ async def produce_all(bootstrap: str, topic: str, corpus: list[tuple[bytes, byte
         await producer.stop()
 
 
-async def create_topics(bootstrap: str, names: list[str], partitions: int) -> None:
-    from pipeline.app import ensure_topics
-
-    await ensure_topics(bootstrap, names, partitions)
-
-
 @dataclass
 class Rate:
     wall: float  # records per wall-clock second, first batch to last
@@ -207,7 +202,7 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
     """Raw consumer and parse stage on the same records, interleaved ``repeats`` times; best of each."""
     topics = TopicNames(prefix=f"bench-{ctx.run_id}-")
     raw_topic = topics.name("logs_kernel")
-    await create_topics(
+    await ensure_topics(
         ctx.bootstrap, [raw_topic, topics.name("fault_events"), topics.name("deadletter")], ctx.partitions
     )
     await produce_all(ctx.bootstrap, raw_topic, make_corpus(ctx.records), ctx.progress)
@@ -241,7 +236,7 @@ async def latency(ctx: BenchContext) -> dict[str, Any]:
 
     prefix = f"bench-{ctx.run_id}-lat-"
     topics = TopicNames(prefix=prefix)
-    await create_topics(ctx.bootstrap, worker_topics(f"bench-{ctx.run_id}", topics), ctx.partitions)
+    await ensure_topics(ctx.bootstrap, worker_topics(f"bench-{ctx.run_id}", topics), ctx.partitions)
     env = {
         **os.environ,
         "XIDFLOW_TOPIC_PREFIX": prefix,

@@ -18,7 +18,8 @@ from pipeline.actuator.app import Actuator
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.actuator.testing import create_nodes, create_topics, delete_nodes, make_incident, publish
+from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, publish
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings, TopicNames
 
 
@@ -54,7 +55,7 @@ async def storm(
     actuators: list[Actuator] = []
     tasks: list[asyncio.Task[None]] = []
     try:
-        await create_topics(
+        await ensure_topics(
             bootstrap,
             [topics.name(n) for n in ("incidents", "remediation_requests", "remediation_audit", "deadletter")],
             partitions,

@@ -36,7 +36,8 @@ def worker(
     """Run the Faust parse and aggregation worker until interrupted."""
     import faust
 
-    from pipeline.app import WorkerSettings, create_app, ensure_topics, worker_topics
+    from pipeline.app import WorkerSettings, create_app, worker_topics
+    from pipeline.kafka_admin import ensure_topics
     from pipeline.settings import TopicNames
 
     overrides = {

@@ -22,7 +22,6 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from kubernetes import client, config
 from rich.console import Console, Group
 from rich.live import Live
@@ -32,6 +31,7 @@ from rich.table import Table
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
 from pipeline.demo.scenario import REBOOT_NODE_INDEX, STEPS, Emit, Step
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult, RemediationRecord
 
@@ -125,15 +125,9 @@ class DemoRun:
 
     # -- Kafka ----------------------------------------------------------------------------------
     async def create_topics(self) -> None:
-        admin = AIOKafkaAdminClient(bootstrap_servers=self.bootstrap)
-        await admin.start()
-        try:
-            names = ["logs_kernel", "logs_pods", "health_checks", "deadletter", "fault_events", "incidents",
-                     "remediation_audit", "remediation_requests"]
-            await admin.create_topics([NewTopic(self.topics.name(n), num_partitions=4, replication_factor=1)
-                                       for n in names])
-        finally:
-            await admin.close()
+        names = ["logs_kernel", "logs_pods", "health_checks", "deadletter", "fault_events", "incidents",
+                 "remediation_audit", "remediation_requests"]
+        await ensure_topics(self.bootstrap, [self.topics.name(n) for n in names], partitions=4)
 
     async def follow_audit(self) -> None:
         consumer = AIOKafkaConsumer(self.topics.name("remediation_audit"), bootstrap_servers=self.bootstrap,

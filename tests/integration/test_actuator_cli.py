@@ -9,8 +9,9 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from pipeline.actuator.testing import create_topics, make_incident
+from pipeline.actuator.testing import make_incident
 from pipeline.cli import cli
+from pipeline.kafka_admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
@@ -22,7 +23,7 @@ def test_status_reset_and_breaker_commands(kafka_bootstrap: str, kubeconfig: str
     loop = asyncio.new_event_loop()
     run = loop.run_until_complete
     try:
-        run(create_topics(kafka_bootstrap, [env.topics.name("remediation_audit")], partitions=1))
+        run(ensure_topics(kafka_bootstrap, [env.topics.name("remediation_audit")], partitions=1))
         sick, human, healthy = run(env.make_nodes(3))
         act = run(env.actuator(breaker_max_share=0.5))
         run(env.kube.patch_node(human, {"spec": {"unschedulable": True}}))  # a person's cordon
@@ -82,7 +83,7 @@ def test_actuator_command_runs_consumes_and_stops_on_sigterm(
     proc = None
     try:
         names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-        run(create_topics(kafka_bootstrap, [env.topics.name(n) for n in names], partitions=2))
+        run(ensure_topics(kafka_bootstrap, [env.topics.name(n) for n in names], partitions=2))
         (name,) = run(env.make_nodes(1))
         proc_env = {
             **os.environ,

@@ -12,7 +12,8 @@ import pytest
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.actuator.policy import load_yaml_text
-from pipeline.actuator.testing import create_topics, make_incident, set_node_ready, wait_until
+from pipeline.actuator.testing import make_incident, set_node_ready, wait_until
+from pipeline.kafka_admin import ensure_topics
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 
@@ -23,7 +24,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    await create_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
+    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
     yield world
     await world.close()
 

@@ -15,12 +15,12 @@ from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import (
     create_nodes,
-    create_topics,
     delete_nodes,
     make_incident,
     node_events,
     read_audit,
 )
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import Action, NodeRecovered, Outcome
 
@@ -94,7 +94,7 @@ class Env:
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    await create_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
+    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
     yield world
     await world.close()
 

@@ -20,7 +20,8 @@ from kubernetes import config
 from pipeline.actuator.app import Actuator, ensure_namespace
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueAction, RescueActionRequest
-from pipeline.actuator.testing import create_topics, make_incident, node_events, publish, wait_until
+from pipeline.actuator.testing import make_incident, node_events, publish, wait_until
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings
 from schemas.records import DeadLetter, NodeRecovered, Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
@@ -33,7 +34,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
     names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-    await create_topics(kafka_bootstrap, [world.topics.name(n) for n in names], partitions=4)
+    await ensure_topics(kafka_bootstrap, [world.topics.name(n) for n in names], partitions=4)
     yield world
     await world.close()
 

@@ -13,7 +13,8 @@ from kubernetes import client
 
 from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
 from pipeline.actuator.policystore import PolicyStore
-from pipeline.actuator.testing import create_topics, make_incident
+from pipeline.actuator.testing import make_incident
+from pipeline.kafka_admin import ensure_topics
 from tests.integration.test_actuator_effects import Env, outcomes
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
@@ -46,7 +47,7 @@ async def install_crds(kube: Kube) -> None:
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    await create_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
+    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
     await install_crds(world.kube)
     world.created_policies: list[tuple[str, str]] = []  # type: ignore[misc]
     yield world

@@ -13,7 +13,8 @@ from kubernetes import client, config
 
 from pipeline.actuator.app import Actuator
 from pipeline.actuator.kube import Forbidden, Kube
-from pipeline.actuator.testing import create_topics, make_incident, node_events
+from pipeline.actuator.testing import make_incident, node_events
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
@@ -27,7 +28,7 @@ RBAC_FILE = Path(__file__).resolve().parents[2] / "deploy" / "rbac" / "actuator.
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    await create_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
+    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
     yield world
     await world.close()
 

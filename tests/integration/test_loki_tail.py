@@ -23,11 +23,11 @@ from urllib.parse import parse_qs, urlsplit
 import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
 from pipeline.adapters import decode_record
+from pipeline.kafka_admin import ensure_topics
 from pipeline.loki_tail import Backoff, LokiRequestRejected, LokiTailBridge
 from schemas.records import DeadLetter
 
@@ -172,15 +172,6 @@ class LokiTailServer:
                     return
 
 
-async def create_topics(bootstrap: str, *names: str) -> None:
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
-    await admin.start()
-    try:
-        await admin.create_topics([NewTopic(n, num_partitions=3, replication_factor=1) for n in names])
-    finally:
-        await admin.close()
-
-
 async def read_all(bootstrap: str, topic: str) -> list[tuple[bytes | None, bytes]]:
     """Every record on the topic up to its current end offsets."""
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, auto_offset_reset="earliest")
@@ -220,7 +211,7 @@ async def wait_until(predicate: Callable[[], bool], what: str, task: asyncio.Tas
 
 async def test_bridge_resumes_without_gaps_or_duplicates(kafka_bootstrap: str, unique) -> None:
     topic, dead_topic = unique("loki-logs"), unique("loki-dead")
-    await create_topics(kafka_bootstrap, topic, dead_topic)
+    await ensure_topics(kafka_bootstrap, [topic, dead_topic], partitions=3)
     nodes = [unique("gpu-a"), unique("gpu-b"), unique("gpu-c")]
     job = {"job": "gpu-kmsg"}
     base = time.time_ns() - 60 * 10**9

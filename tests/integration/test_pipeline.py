@@ -23,7 +23,8 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
-from pipeline.app import ensure_topics, worker_topics
+from pipeline.app import worker_topics
+from pipeline.kafka_admin import ensure_topics
 from pipeline.localinfra.procs import free_port
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult

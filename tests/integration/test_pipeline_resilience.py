@@ -17,7 +17,8 @@ import pytest
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
-from pipeline.app import ensure_topics, worker_topics
+from pipeline.app import worker_topics
+from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, wait_ready
 
