@@ -241,9 +241,8 @@ class DemoRun:
                 s.get(n, {}).get("unschedulable", True) for n in standby)
 
         await self.wait_for(live, done, self.step_timeout)
-        # Nodes that must stay in service: hold a few seconds after the others acted, then look again.
-        await asyncio.sleep(self.settle_seconds)
-        _, states = await self.wait_for(live, lambda s: False, 0.6)
+        # Nodes that must stay in service: keep watching a few seconds after the others acted.
+        _, states = await self.wait_for(live, lambda s: False, self.settle_seconds)
         for idx, exp in step.expect.items():
             node = self.fleet.nodes[idx - 1]
             s = states.get(node, {})

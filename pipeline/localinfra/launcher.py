@@ -17,7 +17,6 @@ import shutil
 import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from pipeline.localinfra import procs
 from pipeline.localinfra.controlplane import ControlPlane
@@ -59,7 +58,7 @@ class LocalInfra:
     log: Log = print
     kafka: KafkaCluster | None = None
     control_plane: ControlPlane | None = None
-    containers: dict[str, Any] = field(default_factory=dict)
+    containers: dict[str, str] = field(default_factory=dict)  # role -> Docker container id
     endpoints: Endpoints | None = None
 
     @property
@@ -72,7 +71,7 @@ class LocalInfra:
         state = {
             "kafka": self.kafka.to_dict() if self.kafka else None,
             "control_plane": self.control_plane.to_dict() if self.control_plane else None,
-            "containers": {k: v for k, v in self.containers.items() if isinstance(v, str)},
+            "containers": self.containers,
             "endpoints": self.endpoints.__dict__ if self.endpoints else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
@@ -143,7 +142,6 @@ class LocalInfra:
         container = KafkaContainer().with_kraft()
         container.start()
         self.containers["kafka"] = container.get_wrapped_container().id
-        self.containers["_kafka_obj"] = container
         return container.get_bootstrap_server()
 
     def _k3s_container(self, detach: bool) -> str:
@@ -154,7 +152,6 @@ class LocalInfra:
         container = K3SContainer()
         container.start()
         self.containers["k3s"] = container.get_wrapped_container().id
-        self.containers["_k3s_obj"] = container
         path = Path(self.state_dir) / "k3s.kubeconfig"
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(container.config_yaml())
@@ -166,8 +163,8 @@ class LocalInfra:
             self.control_plane.stop()
         if self.kafka:
             self.kafka.stop()
-        for cid in list(self.containers.values()):
-            if isinstance(cid, str) and shutil.which("docker"):
+        for cid in self.containers.values():
+            if shutil.which("docker"):
                 subprocess.run(["docker", "rm", "-f", cid], capture_output=True)
         self.containers = {}
         if self.endpoints and not quiet:
@@ -190,8 +187,7 @@ class LocalInfra:
         if self.control_plane:
             out.update(self.control_plane.running())
         for key, cid in self.containers.items():
-            if not key.startswith("_"):
-                out[f"container:{key}"] = _container_running(cid)
+            out[f"container:{key}"] = _container_running(cid)
         return out
 
 
