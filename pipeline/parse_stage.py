@@ -541,10 +541,6 @@ class ParseStage:
             highwater = consumer.highwater(tp)
             if highwater is not None:
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - ends[tp]))
-        for ev in result.events:
-            metrics.FAULT_EVENTS.labels(ev.kind.value).inc()
-        for dl in result.dead_letters:
-            metrics.DEADLETTERS.labels(dl.stage, dl.reason.split(":", 1)[0][:60]).inc()
         futures = await self._send(producer, result.events, result.dead_letters)
         c = self.counters
         c.records += result.records
@@ -590,8 +586,10 @@ class ParseStage:
         futures = []
         for ev in events:
             futures.append(await producer.send(self.fault_topic, ev.to_bytes(), key=ev.node.encode()))
+            metrics.FAULT_EVENTS.labels(ev.kind.value).inc()
         for dl in dead:
             self._log_dead_letter(dl)
+            metrics.DEADLETTERS.labels(dl.stage, dl.reason.split(":", 1)[0][:60]).inc()
             key = dl.key.encode() if dl.key else None
             futures.append(await producer.send(self.dead_topic, dl.to_bytes(), key=key))
         return futures
