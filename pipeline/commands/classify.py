@@ -15,6 +15,7 @@ import click
 import orjson
 
 from pipeline.catalog import Catalog, CatalogError
+from pipeline.commands.output import Column, emit
 from pipeline.detect import classify_lines
 from schemas.records import FaultEvent
 
@@ -51,8 +52,9 @@ def _decoded_lines(stream: IO[bytes]) -> Iterator[str]:
 @click.command("classify")
 @click.option("--source", type=click.Choice(["kernel", "pod"]), default="kernel", show_default=True,
               help="What kind of lines the input holds.")
-@click.option("--format", "output_format", type=click.Choice(["text", "json"]), default="text",
-              show_default=True, help="A table, or one JSON object per recognised fault.")
+@click.option("-o", "--output", "--format", "output_format", type=click.Choice(["text", "wide", "json", "yaml"]),
+              default="text", show_default=True,
+              help="Aligned columns (text, wide), one JSON object per line per fault (json), or YAML.")
 @click.option("--catalog-overrides", type=click.Path(dir_okay=False, path_type=str), default=None,
               help="YAML file overriding catalog entries (same layout as the catalog).")
 @click.argument("file", required=False, default="-", type=str)
@@ -79,35 +81,35 @@ def classify(source: str, output_format: str, catalog_overrides: str | None, fil
                 out.write(orjson.dumps(event_to_row(line_no, event)) + b"\n")
             out.flush()
         else:
-            _print_table(results)
+            _print_table(results, output_format)
     finally:
         if close:
             stream.close()
 
 
-def _print_table(results: Iterator[tuple[int, FaultEvent]]) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def _print_table(results: Iterator[tuple[int, FaultEvent]], output_format: str) -> None:
+    # kubectl's manner (pipeline.commands.output): columns never truncated or wrapped, at any width.
+    rows = [event_to_row(line_no, event) for line_no, event in results]
+    emit(rows, CLASSIFY_COLUMNS, "table" if output_format == "text" else output_format)
+    click.echo(f"{len(rows)} fault(s) recognised", err=True)
 
-    table = Table(title="GPU faults", show_lines=False)
-    # Short, fixed columns never wrap; the free-text column takes what width is left.
-    for column in ("line", "kind", "code", "pci", "action", "quarantine", "severity"):
-        table.add_column(column, no_wrap=True)
-    table.add_column("name / gpu", overflow="fold")
-    count = 0
-    for line_no, event in results:
-        count += 1
-        code = "" if event.code is None else str(event.code)
-        if event.subcode is not None:
-            code += f".{event.subcode}"
-        what = event.name or (event.grade.value if event.grade else "")
-        where = event.gpu_uuid or event.nvswitch
-        table.add_row(
-            str(line_no), event.kind.value, code, event.pci or "", event.action.value,
-            "yes" if event.quarantine else "no", event.severity.value, f"{what} {where}" if where else what,
-        )
-    # Piped output (files, CI logs) has no terminal width: use a wide page rather than cropping.
-    console = Console() if sys.stdout.isatty() else Console(width=200)
-    if count:
-        console.print(table)
-    console.print(f"{count} fault(s) recognised")
+
+def _code(row: dict[str, object]) -> str:
+    code = "" if row["code"] is None else str(row["code"])
+    return code + (f".{row['subcode']}" if row["subcode"] is not None else "")
+
+
+CLASSIFY_COLUMNS = [
+    Column("line", lambda r: str(r["line"])),
+    Column("kind", lambda r: str(r["kind"])),
+    Column("code", _code),
+    Column("pci", lambda r: str(r["pci"] or "-")),
+    Column("action", lambda r: str(r["action"])),
+    Column("quarantine", lambda r: "yes" if r["quarantine"] else "no"),
+    Column("severity", lambda r: str(r["severity"])),
+    Column("name", lambda r: str(r["name"] or r["grade"] or "-")),
+    Column("gpu", lambda r: str(r["gpu_uuid"] or r["nvswitch"] or "-"), wide_only=True),
+    Column("link", lambda r: "-" if r["link"] is None else str(r["link"]), wide_only=True),
+    Column("id", lambda r: str(r["id"]), wide_only=True),
+    Column("text", lambda r: str(r["text"]).strip(), wide_only=True),
+]

@@ -1,102 +1,334 @@
-"""``xidflow status``, ``xidflow reset``, ``xidflow breaker status|reset``: what xidflow did to the fleet."""
+"""``xidflow status``, ``xidflow reset``, ``xidflow breaker status|reset``: what xidflow did to the fleet.
+
+Output follows kubectl (``pipeline.commands.output``); ``--kubeconfig``, ``--context`` and
+``--namespace`` mean what they mean to kubectl. Every failure a person can cause or meet (no
+kubeconfig, an API server that is down, an unknown node, Kafka down) ends in one sentence on stderr
+and a non-zero exit, never a traceback.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import getpass
+import os
 import socket
-from typing import Any
+import tempfile
+import time
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from datetime import datetime
+from pathlib import Path
+from typing import Any, TypeVar
 
 import click
 
-kubeconfig_option = click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Default: in-cluster.")
+from pipeline.commands.output import Column, age, emit, emit_object, joined, output_option
+
+T = TypeVar("T")
+
+kubeconfig_option = click.option(
+    "--kubeconfig", envvar="KUBECONFIG", default=None,
+    help="Kubeconfig file [env KUBECONFIG; default ~/.kube/config, else in-cluster].",
+)
+context_option = click.option("--context", default=None, help="Kubeconfig context to use (as kubectl --context).")
+namespace_option = click.option(
+    "-n", "--namespace", default=None,
+    help="Namespace of xidflow's breaker and drain ConfigMaps [default XIDFLOW_ACTUATOR_NAMESPACE].",
+)
 selector_option = click.option(
-    "--selector", default=None, help="GPU fleet label selector (default XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR)."
+    "--selector", "-l", default=None, help="GPU fleet label selector [default XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR]."
 )
 
 
-def _settings(selector: str | None) -> Any:
+def _settings(selector: str | None, namespace: str | None = None) -> Any:
+    from pydantic import ValidationError
+
     from pipeline.actuator.settings import ActuatorSettings
 
-    settings = ActuatorSettings()
-    return settings.model_copy(update={"gpu_node_selector": selector}) if selector else settings
+    try:
+        settings = ActuatorSettings()
+    except ValidationError as exc:
+        raise click.ClickException(f"invalid settings (XIDFLOW_ACTUATOR_*):\n{exc}") from None
+    update = {k: v for k, v in {"gpu_node_selector": selector, "namespace": namespace}.items() if v}
+    return settings.model_copy(update=update) if update else settings
 
 
-def node_rows(nodes: list[dict[str, Any]]) -> list[dict[str, str]]:
-    """One row per node: state, open incidents, what xidflow applied, last action. Pure."""
+# -- reaching the cluster ------------------------------------------------------------------------------
+def resolve_kubeconfig(kubeconfig: str | None, context: str | None) -> str | None:
+    """The kubeconfig file to use (None: in-cluster), or a sentence saying why there is none.
+
+    With ``--context`` a private copy of the file names that context as current, so that every
+    client built from a path (the actuator's too) uses it.
+    """
+    path = kubeconfig or str(Path("~/.kube/config").expanduser())
+    if not Path(path).is_file():
+        if kubeconfig:
+            raise click.ClickException(f"the kubeconfig {kubeconfig} does not exist.")
+        if os.environ.get("KUBERNETES_SERVICE_HOST"):
+            if context:
+                raise click.ClickException("--context needs a kubeconfig; none was given, ~/.kube/config is missing.")
+            return None  # in a pod: the service account
+        raise click.ClickException(
+            "no kubeconfig: KUBECONFIG is not set, ~/.kube/config does not exist and this is not a pod in a "
+            "cluster. Pass --kubeconfig FILE or set KUBECONFIG (`xidflow local env` prints it for the local one)."
+        )
+    if not context:
+        return path
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise click.ClickException(f"the kubeconfig {path} cannot be read: {exc}") from None
+    names = [c.get("name") for c in data.get("contexts") or [] if isinstance(c, dict)]
+    if context not in names:
+        raise click.ClickException(
+            f"context {context!r} is not in the kubeconfig {path} (contexts: {', '.join(map(str, names)) or 'none'})."
+        )
+    data["current-context"] = context
+    fd, copy = tempfile.mkstemp(prefix="xidflow-kubeconfig-", suffix=".yaml")
+    with os.fdopen(fd, "w") as f:
+        yaml.safe_dump(data, f)
+    return copy
+
+
+def make_kube(kubeconfig: str | None) -> Any:
+    """A ``Kube`` for the resolved kubeconfig, or a sentence when the file is not a usable kubeconfig."""
+    from kubernetes import config
+
+    from pipeline.actuator.kube import Kube
+
+    try:
+        return Kube.from_config(kubeconfig, 4)
+    except (config.ConfigException, OSError, ValueError) as exc:
+        raise click.ClickException(f"the kubeconfig {kubeconfig or '(in-cluster)'} is not usable: {exc}") from None
+
+
+def _api_host(kube: Any) -> str:
+    return str(getattr(kube.api_client.configuration, "host", "") or "the Kubernetes API server")
+
+
+@contextlib.contextmanager
+def sentences(kube_host: Callable[[], str] = lambda: "the Kubernetes API server") -> Iterator[None]:
+    """Turn what the API server and Kafka answer into one sentence and a non-zero exit."""
+    from aiokafka.errors import KafkaError
+
+    from pipeline.actuator.kube import Forbidden, KubeError, KubeUnavailable, NotFound
+
+    bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS", "127.0.0.1:9092")
+    try:
+        yield
+    except KubeUnavailable as exc:
+        raise click.ClickException(f"cannot reach the Kubernetes API server at {kube_host()}: {exc}") from None
+    except NotFound as exc:
+        raise click.ClickException(f"not found: {exc.message}") from None
+    except Forbidden as exc:
+        raise click.ClickException(
+            f"the API server refused the request ({exc.status} {exc.reason}): {exc.message}"
+        ) from None
+    except KubeError as exc:
+        raise click.ClickException(f"the API server answered {exc.status} {exc.reason}: {exc.message}") from None
+    except (KafkaError, ConnectionError) as exc:
+        raise click.ClickException(
+            f"cannot reach Kafka at {bootstrap} (KAFKA_BOOTSTRAP_SERVERS): {exc}. The audit record of a reset "
+            "goes to Kafka first, so nothing was changed."
+        ) from None
+
+
+def _run(kube: Any, work: Callable[[], Awaitable[T]]) -> T:
+    with sentences(lambda: _api_host(kube)):
+        try:
+            return asyncio.run(work())
+        finally:
+            kube.close()
+
+
+# -- xidflow status -------------------------------------------------------------------------------------
+def _epoch(rfc3339: str | None) -> float | None:
+    if not rfc3339:
+        return None
+    try:
+        return datetime.fromisoformat(rfc3339.replace("Z", "+00:00")).timestamp()
+    except ValueError:
+        return None
+
+
+def _message_parts(condition: Mapping[str, Any]) -> list[str]:
+    # The condition message starts with the fault: "xid 79, PCI ..., count 2, action RESTART_BM: <line>".
+    head = str(condition.get("message") or "").split(": ", 1)[0]
+    return [p.strip() for p in head.split(",") if p.strip()]
+
+
+def _fault_of(condition: Mapping[str, Any]) -> str:
+    parts = _message_parts(condition)
+    return parts[0] if parts else str(condition.get("reason") or condition.get("type"))
+
+
+def _action_of(condition: Mapping[str, Any]) -> str | None:
+    """The catalog's recommended action for the fault (the reason xidflow acted), when the message has it."""
+    return next((p.split(" ", 1)[1] for p in _message_parts(condition) if p.startswith("action ")), None)
+
+
+def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = None,
+              now: float | None = None) -> list[dict[str, Any]]:
+    """One row per node: state, the fault, incident age, what xidflow applied and why, the breaker. Pure.
+
+    Lists stay lists and objects stay objects (``-o json``); the table joins them for display.
+    """
     from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION
     from pipeline.actuator.plan import NodeView
 
+    now = time.time() if now is None else now
+    breaker = breaker or {}
+    window = float(breaker.get("window_seconds") or 0)
+    counted = {n for n, t in (breaker.get("admitted") or {}).items() if not window or now - float(t) <= window}
+    tripped = bool(breaker.get("tripped"))
     rows = []
     for obj in sorted(nodes, key=lambda n: n["metadata"]["name"]):
         view = NodeView.from_object(obj)
         ledger = view.ledger
-        state = ("Ready" if view.ready else "NotReady") + (",SchedulingDisabled" if view.unschedulable else "")
-        owning = sorted({f for owners in ledger.owned.values() for f in owners})
-        rows.append(
-            {
-                "node": view.name,
-                "state": state,
-                "open": ", ".join(owning) or "-",
-                "applied": ", ".join(sorted(ledger.owned)) or "-",
-                "last": view.annotations.get(LAST_ACTION_ANNOTATION, "-"),
-            }
-        )
+        flows = sorted({f for owners in ledger.owned.values() for f in owners})
+        owned_conditions = {k.split(":", 1)[1] for k in ledger.owned if k.startswith("condition:")}
+        faults = []
+        for cond in view.conditions:
+            if cond.get("type") in owned_conditions:
+                faults.append({
+                    "condition": cond.get("type"),
+                    "status": cond.get("status"),
+                    "fault": _fault_of(cond),
+                    "action": _action_of(cond),
+                    "reason": cond.get("reason"),
+                    "message": cond.get("message"),
+                    "since": cond.get("lastTransitionTime"),
+                })
+        incidents = []
+        for flow in flows:
+            rec = ledger.flows.get(flow) or {}
+            started = rec.get("at")
+            incidents.append({
+                "id": flow,
+                "started": float(started) if started is not None else None,
+                "age_seconds": round(now - float(started), 1) if started is not None else None,
+                "done": sorted((rec.get("done") or {}).keys()),
+                "applied": sorted(effect for effect, owners in ledger.owned.items() if flow in owners),
+                "cancelled": rec.get("cancelled"),
+            })
+        ages = [i["age_seconds"] for i in incidents if i["age_seconds"] is not None]
+        if not ages:
+            ages = [now - t for t in (_epoch(f["since"]) for f in faults) if t is not None]
+        rows.append({
+            "node": view.name,
+            "ready": view.ready,
+            "schedulable": not view.unschedulable,
+            "status": ("Ready" if view.ready else "NotReady") + (",SchedulingDisabled" if view.unschedulable else ""),
+            "faults": faults,
+            "incident_age_seconds": max(ages) if ages else None,
+            "incidents": incidents,
+            "applied": {effect: sorted(owners) for effect, owners in sorted(ledger.owned.items())},
+            "last_action": view.annotations.get(LAST_ACTION_ANNOTATION),
+            "breaker": {"state": "open" if tripped else "closed", "counted": view.name in counted},
+        })
     return rows
+
+
+def _short_effect(effect: str) -> str:
+    # "taint:nvidia.com/gpu-fault:NoSchedule" -> "taint/NoSchedule"; "condition:GpuXid" -> "condition/GpuXid"
+    kind, _, rest = effect.partition(":")
+    if kind == "taint":
+        return f"taint/{rest.rsplit(':', 1)[-1]}"
+    return f"{kind}/{rest}" if rest else kind
+
+
+def _why(row: Mapping[str, Any]) -> str:
+    """Why xidflow applied what it did: the action the catalog recommends for the fault, else the incident."""
+    actions = sorted({f["action"] for f in row["faults"] if f["action"]})
+    if actions:
+        return joined(actions)
+    return joined([f"incident {i['id']}" for i in row["incidents"]])
+
+
+STATUS_COLUMNS = [
+    Column("node", lambda r: r["node"]),
+    Column("status", lambda r: r["status"]),
+    Column("fault", lambda r: joined(sorted({f["fault"] for f in r["faults"]}))),
+    Column("age", lambda r: age(r["incident_age_seconds"])),
+    Column("applied", lambda r: joined(sorted({e.split(":", 1)[0] for e in r["applied"]}))),
+    Column("why", _why),
+    Column("breaker", lambda r: r["breaker"]["state"] + (",counted" if r["breaker"]["counted"] else "")),
+    Column("effects", lambda r: joined([_short_effect(e) for e in r["applied"]]), wide_only=True),
+    Column("incidents", lambda r: joined([i["id"] for i in r["incidents"]]), wide_only=True),
+    Column("steps-done", lambda r: joined(sorted({s for i in r["incidents"] for s in i["done"]})), wide_only=True),
+    Column("last-action", lambda r: r["last_action"] or "-", wide_only=True),
+]
 
 
 @click.command("status")
 @kubeconfig_option
+@context_option
+@namespace_option
 @selector_option
-@click.option("--json", "as_json", is_flag=True, help="Print JSON instead of a table.")
-def status(kubeconfig: str | None, selector: str | None, as_json: bool) -> None:
-    """A table of GPU nodes: state, open incidents, what xidflow applied, last action."""
-    from pipeline.actuator.kube import Kube
+@output_option()
+@click.option("--json", "as_json", is_flag=True, hidden=True, help="Same as -o json.")
+def status(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None,
+           output: str, as_json: bool) -> None:
+    """GPU nodes: state, fault, incident age, what xidflow applied and why, and the breaker."""
+    from pipeline.actuator.breaker import read_json_configmap
 
-    settings = _settings(selector)
+    settings = _settings(selector, namespace)
+    kube = make_kube(resolve_kubeconfig(kubeconfig, context))
 
-    async def main() -> list[dict[str, str]]:
-        kube = Kube.from_config(kubeconfig, 4)
-        try:
-            return node_rows(await kube.list_nodes(settings.gpu_node_selector))
-        finally:
-            kube.close()
+    async def main() -> list[dict[str, Any]]:
+        nodes = await kube.list_nodes(settings.gpu_node_selector)
+        breaker = await read_json_configmap(kube, settings.namespace, settings.breaker_configmap)
+        breaker.setdefault("window_seconds", settings.breaker_window_seconds)
+        return node_rows(nodes, breaker)
 
-    rows = asyncio.run(main())
-    if as_json:
-        import orjson
-
-        click.echo(orjson.dumps(rows, option=orjson.OPT_INDENT_2).decode())
-        return
-    from rich.console import Console
-    from rich.table import Table
-
-    table = Table(title=f"GPU nodes ({settings.gpu_node_selector})")
-    for col in ("node", "state", "open incidents", "xidflow applied", "last action"):
-        table.add_column(col)
-    for r in rows:
-        table.add_row(r["node"], r["state"], r["open"], r["applied"], r["last"])
-    Console().print(table)
+    rows = _run(kube, main)
+    emit(rows, STATUS_COLUMNS, "json" if as_json else output,
+         empty=f"No GPU nodes match the selector {settings.gpu_node_selector!r}.")
 
 
+# -- xidflow reset ---------------------------------------------------------------------------------------
 @click.command("reset")
 @click.option("--node", "node_names", multiple=True, help="Node to reset (repeatable).")
 @click.option("--all", "all_nodes", is_flag=True, help="Every GPU node xidflow applied something to.")
 @kubeconfig_option
+@context_option
+@namespace_option
 @selector_option
-def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, selector: str | None) -> None:
+def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, context: str | None,
+          namespace: str | None, selector: str | None) -> None:
     """Remove what xidflow applied (its cordons, taints, conditions); never what a person did. Audited."""
     if bool(node_names) == all_nodes:
         raise click.UsageError("give --node N (repeatable) or --all")
+    settings = _settings(selector, namespace)
+    path = resolve_kubeconfig(kubeconfig, context)
+    probe = make_kube(path)
+
+    async def check() -> None:
+        # Unknown nodes and an unreachable API server are reported before anything is audited.
+        from pipeline.actuator.kube import NotFound
+
+        missing = []
+        for name in node_names:
+            try:
+                await probe.get_node(name)
+            except NotFound:
+                missing.append(name)
+        if missing:
+            raise click.ClickException(f"no such node: {', '.join(missing)} (nothing was reset).")
+        if all_nodes:
+            await probe.list_nodes(settings.gpu_node_selector, limit=1)
+
+    _run(probe, check)
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.plan import NodeView
     from pipeline.actuator.policy import PolicySet
     from schemas.records import NodeRecovered
 
-    settings = _settings(selector)
+    act = Actuator(settings, kubeconfig=path, policies=PolicySet())
 
     async def main() -> list[str]:
-        act = Actuator(settings, kubeconfig=kubeconfig, policies=PolicySet())
         await act.auditor.start()
         done: list[str] = []
         try:
@@ -116,53 +348,60 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
                     done.append(f"{view.name}: {flow}")
         finally:
             await act.auditor.stop()
-            act.kube.close()
         return done
 
-    for line in asyncio.run(main()) or ["nothing applied by xidflow"]:
+    for line in _run(act.kube, main) or ["nothing applied by xidflow"]:
         click.echo(line)
 
 
+# -- xidflow breaker ---------------------------------------------------------------------------------------
 @click.group("breaker")
 def breaker() -> None:
     """The quarantine circuit breaker shared by all actuator replicas."""
 
 
-def _breaker(kubeconfig: str | None, selector: str | None) -> Any:
+def _breaker(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None) -> Any:
     from pipeline.actuator.breaker import Breaker
-    from pipeline.actuator.kube import Kube
 
-    s = _settings(selector)
-    kube = Kube.from_config(kubeconfig, 4)
+    s = _settings(selector, namespace)
+    kube = make_kube(resolve_kubeconfig(kubeconfig, context))
     return Breaker(
         kube, s.namespace, s.breaker_configmap, s.gpu_node_selector, s.breaker_max_share, s.breaker_window_seconds
     )
 
 
+BREAKER_COLUMNS = [
+    Column("state", lambda r: "open" if r["tripped"] else "closed"),
+    Column("quarantined", lambda r: f"{r['quarantined_in_window']}/{r['fleet_size']}"),
+    Column("max-share", lambda r: f"{r['max_share']:g}"),
+    Column("window", lambda r: age(r["window_seconds"])),
+    Column("reason", lambda r: r["reason"] or "-"),
+    Column("reset-by", lambda r: r["reset_by"] or "-", wide_only=True),
+]
+
+
 @breaker.command("status")
 @kubeconfig_option
+@context_option
+@namespace_option
 @selector_option
-def breaker_status(kubeconfig: str | None, selector: str | None) -> None:
+@output_option(default="json")
+def breaker_status(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None,
+                   output: str) -> None:
     """Open or closed, why, and how many GPU nodes were quarantined in the window."""
-    import orjson
-
-    b = _breaker(kubeconfig, selector)
-    try:
-        state = asyncio.run(b.status())
-    finally:
-        b.kube.close()
-    click.echo(orjson.dumps(state, option=orjson.OPT_INDENT_2).decode())
+    b = _breaker(kubeconfig, context, namespace, selector)
+    state = _run(b.kube, b.status)
+    emit_object(state, BREAKER_COLUMNS, output)
 
 
 @breaker.command("reset")
 @kubeconfig_option
+@context_option
+@namespace_option
 @selector_option
-def breaker_reset(kubeconfig: str | None, selector: str | None) -> None:
+def breaker_reset(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None) -> None:
     """Close the breaker (only a person does this) and forget the window."""
-    b = _breaker(kubeconfig, selector)
+    b = _breaker(kubeconfig, context, namespace, selector)
     who = f"{getpass.getuser()}@{socket.gethostname()}"
-    try:
-        was_open = asyncio.run(b.reset(by=who))
-    finally:
-        b.kube.close()
+    was_open = _run(b.kube, lambda: b.reset(by=who))
     click.echo("breaker closed" if was_open else "breaker was already closed")

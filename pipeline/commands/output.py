@@ -1,0 +1,125 @@
+"""Command output in kubectl's manner, shared by every command that prints rows.
+
+- The default is a table of plain, left-aligned columns separated by three spaces, with upper-case
+  headers. A cell is never truncated or wrapped, whatever the terminal width and when piped: a
+  long node name makes a long line, never two nodes that look alike.
+- ``-o wide`` adds columns; ``-o json`` and ``-o yaml`` print the rows as data (lists stay lists,
+  objects stay objects), for scripts.
+
+Pure: rendering returns strings; only ``emit`` writes.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import click
+
+OUTPUT_FORMATS = ("table", "wide", "json", "yaml")
+COLUMN_GAP = "   "
+
+
+@dataclass(frozen=True)
+class Column:
+    """One table column: its header and how a row (a mapping) becomes the cell text."""
+
+    header: str
+    cell: Callable[[Mapping[str, Any]], str]
+    wide_only: bool = False
+
+
+def output_option(default: str = "table") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``-o/--output table|wide|json|yaml``, the same option on every command that prints rows."""
+    return click.option(
+        "-o", "--output", "output", type=click.Choice(OUTPUT_FORMATS), default=default, show_default=True,
+        help="table (aligned columns), wide (more columns), json or yaml.",
+    )
+
+
+def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
+    """Aligned columns, never truncated; the last column is not padded (no trailing spaces)."""
+    table = [[str(h).upper() for h in headers], *[[_one_line(c) for c in row] for row in rows]]
+    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    lines = []
+    for r in table:
+        cells = [c.ljust(w) for c, w in zip(r[:-1], widths[:-1], strict=True)] + [r[-1]]
+        lines.append(COLUMN_GAP.join(cells).rstrip())
+    return "\n".join(lines) + "\n"
+
+
+def _one_line(value: object) -> str:
+    text = "" if value is None else str(value)
+    text = " ".join(text.split())  # a newline inside a cell would break the alignment of every row below
+    return text or "-"
+
+
+def render_rows(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], output: str) -> str:
+    """The text ``emit`` prints: a table (``table``/``wide``) or the rows as JSON or YAML."""
+    if output == "json":
+        import orjson
+
+        return orjson.dumps(list(rows), option=orjson.OPT_INDENT_2).decode() + "\n"
+    if output == "yaml":
+        import yaml
+
+        return yaml.safe_dump([dict(r) for r in rows], sort_keys=False, default_flow_style=False)
+    shown = [c for c in columns if output == "wide" or not c.wide_only]
+    return render_table([c.header for c in shown], [[c.cell(r) for c in shown] for r in rows])
+
+
+def emit(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], output: str, empty: str = "") -> None:
+    """Print rows; an empty table prints ``empty`` on stderr instead (as kubectl's "No resources found")."""
+    if not rows and output in ("table", "wide"):
+        if empty:
+            click.echo(empty, err=True)
+        return
+    text = render_rows(rows, columns, output)
+    if output in ("table", "wide") and sys.stdout.isatty():
+        _print_coloured(text)
+    else:
+        click.echo(text, nl=False)
+
+
+def emit_object(obj: Mapping[str, Any], columns: Sequence[Column], output: str) -> None:
+    """One object: itself in JSON or YAML (not a one-element list), one table row otherwise."""
+    if output in ("json", "yaml"):
+        if output == "json":
+            import orjson
+
+            text = orjson.dumps(obj, option=orjson.OPT_INDENT_2).decode() + "\n"
+        else:
+            import yaml
+
+            text = yaml.safe_dump(dict(obj), sort_keys=False, default_flow_style=False)
+        click.echo(text, nl=False)
+        return
+    emit([obj], columns, output)
+
+
+def _print_coloured(text: str) -> None:
+    # Colour only on a terminal, and only the header: the text (and so the alignment) is unchanged.
+    header, _, body = text.partition("\n")
+    click.echo(click.style(header, bold=True))
+    click.echo(body, nl=False)
+
+
+def age(seconds: float | None) -> str:
+    """kubectl's short age: 45s, 12m, 5h, 3d."""
+    if seconds is None:
+        return "-"
+    s = max(0, int(seconds))
+    if s < 120:
+        return f"{s}s"
+    if s < 7200:
+        return f"{s // 60}m"
+    if s < 2 * 86400:
+        return f"{s // 3600}h"
+    return f"{s // 86400}d"
+
+
+def joined(values: Sequence[object] | None, sep: str = ",") -> str:
+    """A list as one table cell ("-" when empty); JSON and YAML keep the list."""
+    return sep.join(str(v) for v in values or ()) or "-"
