@@ -33,6 +33,7 @@ def actuator(
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.commands.status import resolve_kubeconfig, sentences
     from pipeline.metrics import serve_metrics
     from pipeline.settings import KafkaSettings
 
@@ -53,6 +54,7 @@ def actuator(
         raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from exc
     if serve_api is None:
         serve_api = bool(api_settings.tokens or api_settings.token_file)
+    kubeconfig = resolve_kubeconfig(kubeconfig, None)  # no kubeconfig: a sentence, not a traceback
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -71,4 +73,5 @@ def actuator(
                 with contextlib.suppress(asyncio.CancelledError):
                     await api_task
 
-    asyncio.run(main())
+    with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
+        asyncio.run(main())

@@ -74,6 +74,7 @@ def loki_tail(
         from pipeline.metrics import serve_metrics
 
         serve_metrics()
+        await loki_reachable(loki_url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -81,7 +82,26 @@ def loki_tail(
         stats = await bridge.run(stop)
         click.echo(f"stopped: {stats}", err=True)
 
+    from aiokafka.errors import KafkaError
+
     try:
         asyncio.run(main())
     except LokiRequestRejected as exc:
         raise click.ClickException(str(exc)) from exc
+    except KafkaError as exc:
+        raise click.ClickException(
+            f"cannot reach Kafka at {bridge.bootstrap_servers} (--bootstrap / KAFKA_BOOTSTRAP_SERVERS): {exc}"
+        ) from None
+
+
+async def loki_reachable(loki_url: str, timeout_s: float = 10.0) -> None:
+    """Refuse to start when nothing answers at the Loki URL (later outages are retried with backoff)."""
+    from urllib.parse import urlsplit
+
+    parts = urlsplit(loki_url)
+    port = parts.port or (443 if parts.scheme in ("https", "wss") else 80)
+    try:
+        _, writer = await asyncio.wait_for(asyncio.open_connection(parts.hostname, port), timeout_s)
+    except (OSError, TimeoutError) as exc:
+        raise click.ClickException(f"cannot reach Loki at {loki_url} (--loki-url): {exc}") from None
+    writer.close()

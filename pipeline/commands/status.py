@@ -105,11 +105,11 @@ def make_kube(kubeconfig: str | None) -> Any:
 
 
 def _api_host(kube: Any) -> str:
-    return str(getattr(kube.api_client.configuration, "host", "") or "the Kubernetes API server")
+    return str(getattr(kube.api_client.configuration, "host", "") or "")
 
 
 @contextlib.contextmanager
-def sentences(kube_host: Callable[[], str] = lambda: "the Kubernetes API server") -> Iterator[None]:
+def sentences(kube_host: Callable[[], str] = lambda: "", kafka_note: str = "") -> Iterator[None]:
     """Turn what the API server and Kafka answer into one sentence and a non-zero exit."""
     from aiokafka.errors import KafkaError
 
@@ -119,7 +119,10 @@ def sentences(kube_host: Callable[[], str] = lambda: "the Kubernetes API server"
     try:
         yield
     except KubeUnavailable as exc:
-        raise click.ClickException(f"cannot reach the Kubernetes API server at {kube_host()}: {exc}") from None
+        raise click.ClickException(
+            f"cannot reach the Kubernetes API server{' at ' + kube_host() if kube_host() else ''}; is it running, "
+            f"and does the kubeconfig point at it?\n  cause: {exc}"
+        ) from None
     except NotFound as exc:
         raise click.ClickException(f"not found: {exc.message}") from None
     except Forbidden as exc:
@@ -130,13 +133,12 @@ def sentences(kube_host: Callable[[], str] = lambda: "the Kubernetes API server"
         raise click.ClickException(f"the API server answered {exc.status} {exc.reason}: {exc.message}") from None
     except (KafkaError, ConnectionError) as exc:
         raise click.ClickException(
-            f"cannot reach Kafka at {bootstrap} (KAFKA_BOOTSTRAP_SERVERS): {exc}. The audit record of a reset "
-            "goes to Kafka first, so nothing was changed."
+            f"cannot reach Kafka at {bootstrap} (KAFKA_BOOTSTRAP_SERVERS): {exc}.{kafka_note}"
         ) from None
 
 
-def _run(kube: Any, work: Callable[[], Awaitable[T]]) -> T:
-    with sentences(lambda: _api_host(kube)):
+def _run(kube: Any, work: Callable[[], Awaitable[T]], kafka_note: str = "") -> T:
+    with sentences(lambda: _api_host(kube), kafka_note):
         try:
             return asyncio.run(work())
         finally:
@@ -350,7 +352,8 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
             await act.auditor.stop()
         return done
 
-    for line in _run(act.kube, main) or ["nothing applied by xidflow"]:
+    note = " A reset is audited on Kafka before it changes a node, so nothing was changed."
+    for line in _run(act.kube, main, note) or ["nothing applied by xidflow"]:
         click.echo(line)
 
 

@@ -44,9 +44,9 @@ def test_status_reset_and_breaker_commands(kafka_bootstrap: str, kubeconfig: str
         result = runner.invoke(cli, ["status", "--json"], catch_exceptions=False)
         rows = {r["node"]: r for r in orjson.loads(result.output)}
         assert set(rows) == {sick, human, healthy}
-        assert rows[sick]["open"] == "inc-cli" and "cordon" in rows[sick]["applied"]
-        assert "SchedulingDisabled" in rows[human]["state"] and "cordon" not in rows[human]["applied"]
-        assert rows[healthy]["applied"] == "-"
+        assert [i["id"] for i in rows[sick]["incidents"]] == ["inc-cli"] and "cordon" in rows[sick]["applied"]
+        assert "SchedulingDisabled" in rows[human]["status"] and "cordon" not in rows[human]["applied"]
+        assert rows[healthy]["applied"] == {}
         table = runner.invoke(cli, ["status"], catch_exceptions=False)
         assert sick in table.output
 
