@@ -54,6 +54,10 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="xidflow")
 def cli() -> None:
     """xidflow: find NVIDIA GPU faults in log streams and remediate the nodes on Kubernetes."""
+    from pipeline.envcheck import warnings
+
+    for line in warnings():  # an unknown XIDFLOW_* variable (a typo) would otherwise be ignored silently
+        click.echo(line, err=True)
 
 
 def main() -> None:

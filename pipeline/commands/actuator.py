@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import logging
 import signal
 
 import click
+
+from pipeline.logconfig import log_options
 
 
 @click.command("actuator")
@@ -15,7 +16,7 @@ import click
 @click.option("--manual-only", is_flag=True, default=None, help="Automatic policies off; only API requests act.")
 @click.option("--policy-file", type=click.Path(exists=True, dir_okay=False), default=None, help="Policy YAML.")
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Default: in-cluster service account.")
-@click.option("--log-level", default="INFO", show_default=True)
+@log_options
 @click.option("--api/--no-api", "serve_api", default=None,
               help="Serve the decision API (XIDFLOW_API_*); default: when API tokens are configured.")
 def actuator(
@@ -23,7 +24,6 @@ def actuator(
     manual_only: bool | None,
     policy_file: str | None,
     kubeconfig: str | None,
-    log_level: str,
     serve_api: bool | None,
 ) -> None:
     """Consume incidents and rescue requests and remediate nodes (settings: XIDFLOW_ACTUATOR_*)."""
@@ -37,7 +37,6 @@ def actuator(
     from pipeline.metrics import serve_metrics
     from pipeline.settings import KafkaSettings
 
-    logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = {
         k: v
         for k, v in {"dry_run": dry_run, "manual_only": manual_only, "policy_file": policy_file}.items()

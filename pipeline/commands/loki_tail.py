@@ -8,6 +8,7 @@ import signal
 
 import click
 
+from pipeline.logconfig import log_options
 from pipeline.settings import KafkaSettings, TopicNames
 
 
@@ -33,7 +34,8 @@ from pipeline.settings import KafkaSettings, TopicNames
     help="Entries Loki replays on (re)connect",
 )
 @click.option("--org-id", default=None, help="X-Scope-OrgID header for multi-tenant Loki")
-@click.option("-v", "--verbose", is_flag=True)
+@click.option("-v", "--verbose", is_flag=True, help="Same as --log-level debug.")
+@log_options
 def loki_tail(
     loki_url: str,
     logql: str,
@@ -49,10 +51,8 @@ def loki_tail(
     """Read Loki's /loki/api/v1/tail websocket and produce each entry to Kafka keyed by its node label."""
     from pipeline.loki_tail import LokiRequestRejected, LokiTailBridge
 
-    logging.basicConfig(
-        level=logging.DEBUG if verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
+    if verbose:
+        logging.getLogger().setLevel(logging.DEBUG)
     topics = TopicNames()
     try:
         bridge = LokiTailBridge(

@@ -9,6 +9,7 @@ from typing import Any
 
 import click
 
+from pipeline.logconfig import log_options
 from pipeline.settings import KafkaSettings, TopicNames
 
 EXIT_NO_GPU = 2
@@ -35,6 +36,7 @@ def load_nvml() -> Any:
 
 
 @click.command("probe")
+@log_options
 @click.option("--node", envvar="NODE_NAME", required=True, help="This node's Kubernetes name [env NODE_NAME]")
 @click.option("--expected-gpus", type=click.IntRange(0), default=None, help="GPUs this node should have")
 @click.option(

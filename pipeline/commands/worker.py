@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import click
+
+from pipeline.logconfig import log_options
 
 
 @click.command("worker")
@@ -22,7 +23,7 @@ import click
 @click.option("--parse/--no-parse", default=None, help="Run the parse service.")
 @click.option("--aggregate/--no-aggregate", default=None, help="Run the aggregation agent.")
 @click.option("--session-timeout", type=float, default=None, help="Group session timeout in seconds.")
-@click.option("--loglevel", default="info", show_default=True)
+@log_options
 def worker(
     bootstrap: str,
     app_id: str | None,
@@ -31,7 +32,6 @@ def worker(
     parse: bool | None,
     aggregate: bool | None,
     session_timeout: float | None,
-    loglevel: str,
 ) -> None:
     """Run the Faust parse and aggregation worker until interrupted."""
     import faust
@@ -78,5 +78,9 @@ def worker(
 
     serve_metrics(settings.web_port or None)
     xapp = create_app(bootstrap, settings, topics)
-    logging.basicConfig(level=loglevel.upper())
-    faust.Worker(xapp.app, loglevel=loglevel, quiet=True).execute_from_commandline()
+    from pipeline import logconfig
+
+    level, fmt = logconfig.current()
+    faust.Worker(
+        xapp.app, loglevel=level, logging_config=logconfig.dict_config(level, fmt), quiet=True
+    ).execute_from_commandline()

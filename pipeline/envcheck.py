@@ -1,0 +1,91 @@
+"""Report ``XIDFLOW_*`` variables that nothing reads, with the closest name that is read.
+
+pydantic-settings ignores unknown variables (``extra="ignore"``), so a typo such as
+``XIDFLOW_AGG_WINDOW_SECONDS`` would silently leave the default in place. The known names are
+collected from every settings class (``pipeline.configdoc.SETTINGS_CLASSES``, plus any other
+settings class already imported) and the few variables read directly from the environment.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+import os
+from collections.abc import Iterable, Mapping
+
+PREFIX = "XIDFLOW_"
+
+# Read with os.environ directly (not through a settings class).
+DIRECT_NAMES = frozenset({
+    "XIDFLOW_METRICS_PORT",  # pipeline.metrics
+    "XIDFLOW_METRICS_ADDR",  # pipeline.metrics
+    "XIDFLOW_STATE_DIR",  # pipeline.localinfra.launcher
+    "XIDFLOW_NO_DOCKER",  # pipeline.localinfra.launcher
+    "XIDFLOW_CACHE_DIR",  # pipeline.localinfra.install
+    "XIDFLOW_GPU_PCI",  # set by the actuator in reset Jobs
+    "XIDFLOW_TEST_WORKER_LOGLEVEL",  # the test suite
+})
+
+
+def settings_names(cls: type) -> set[str]:
+    """Environment variable names of one pydantic-settings class (prefix + field, or its alias)."""
+    prefix = (getattr(cls, "model_config", {}).get("env_prefix") or "").upper()
+    names = set()
+    for name, field in getattr(cls, "model_fields", {}).items():
+        alias = field.validation_alias
+        names.add(alias.upper() if isinstance(alias, str) else (prefix + name).upper())
+    return names
+
+
+def _settings_classes() -> Iterable[type]:
+    from pydantic_settings import BaseSettings
+
+    from pipeline import configdoc
+
+    for module_name, class_name, _ in configdoc.SETTINGS_CLASSES:
+        try:
+            yield getattr(importlib.import_module(module_name), class_name)
+        except (ImportError, AttributeError):
+            continue  # a module missing from this build is not this check's business
+    stack = list(BaseSettings.__subclasses__())
+    while stack:
+        cls = stack.pop()
+        stack += cls.__subclasses__()
+        yield cls
+
+
+def known_names() -> set[str]:
+    names = set(DIRECT_NAMES)
+    for cls in _settings_classes():
+        names |= settings_names(cls)
+    return {n for n in names if n.startswith(PREFIX)}
+
+
+def unknown(environ: Mapping[str, str], known: set[str]) -> list[tuple[str, str | None]]:
+    """(unknown variable, closest known name or None), sorted. Pure."""
+    out = []
+    for name in sorted(n for n in environ if n.startswith(PREFIX) and n not in known):
+        out.append((name, closest(name, known)))
+    return out
+
+
+def closest(name: str, known: set[str]) -> str | None:
+    """The closest known name, preferring the same group (``XIDFLOW_AGG_...`` for ``XIDFLOW_AGG_...``)."""
+    group = name[len(PREFIX):].split("_", 1)[0]
+    same = sorted(n for n in known if n[len(PREFIX):].split("_", 1)[0] == group)
+    close = difflib.get_close_matches(name, same, n=1, cutoff=0.5) or difflib.get_close_matches(
+        name, sorted(known), n=1, cutoff=0.6
+    )
+    return close[0] if close else None
+
+
+def warnings(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One sentence per unknown ``XIDFLOW_*`` variable. Imports the settings classes only when one is set."""
+    env = os.environ if environ is None else environ
+    if not any(n.startswith(PREFIX) for n in env):
+        return []  # nothing to check: `xidflow classify` on a laptop pays nothing
+    return [
+        f"warning: {name} is set but no xidflow setting has that name; "
+        + (f"did you mean {close}?" if close else "see docs/configuration.md.")
+        for name, close in unknown(env, known_names())
+    ]
