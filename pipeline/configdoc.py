@@ -18,6 +18,7 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.settings", "KafkaSettings", "Kafka connection (every process)"),
     ("pipeline.settings", "TopicNames", "Topic names (every process)"),
     ("pipeline.logconfig", "LogSettings", "Logging (every process; flags --log-level, --log-format)"),
+    ("pipeline.heartbeat", "HealthSettings", "Liveness endpoint served by the event loop (every process)"),
     ("pipeline.catalog", "CatalogSettings", "Xid/SXid catalog overrides (worker, `classify`)"),
     ("pipeline.parse_stage", "ParseSettings", "Parse stage (worker)"),
     ("pipeline.app", "WorkerSettings", "Faust worker (worker)"),

@@ -34,6 +34,7 @@ def actuator(
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.commands.status import resolve_kubeconfig, sentences
+    from pipeline.heartbeat import with_liveness
     from pipeline.metrics import serve_metrics
     from pipeline.settings import KafkaSettings
 
@@ -65,7 +66,7 @@ def actuator(
         if serve_api:
             api_task = asyncio.create_task(run_api(api_settings, KafkaSettings().bootstrap_servers))
         try:
-            await Actuator(settings, kubeconfig=kubeconfig).run_forever(stop)
+            await with_liveness(Actuator(settings, kubeconfig=kubeconfig).run_forever(stop))
         finally:
             if api_task is not None:
                 api_task.cancel()

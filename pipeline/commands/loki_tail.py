@@ -71,6 +71,7 @@ def loki_tail(
         raise click.BadParameter(str(exc), param_hint="--loki-url") from exc
 
     async def main() -> None:
+        from pipeline.heartbeat import with_liveness
         from pipeline.metrics import serve_metrics
 
         serve_metrics()
@@ -79,7 +80,7 @@ def loki_tail(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        stats = await bridge.run(stop)
+        stats = await with_liveness(bridge.run(stop))
         click.echo(f"stopped: {stats}", err=True)
 
     from aiokafka.errors import KafkaError

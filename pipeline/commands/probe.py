@@ -74,7 +74,9 @@ def probe(
         from pipeline.metrics import serve_metrics
 
         serve_metrics()
-    code = asyncio.run(
+    from pipeline.heartbeat import with_liveness
+
+    code = asyncio.run(with_liveness(
         probe_loop(
             nvml,
             node=node,
@@ -86,7 +88,7 @@ def probe(
             bootstrap_servers=None if to_stdout else (bootstrap or KafkaSettings().bootstrap_servers),
             driver_timeout_s=driver_timeout,
         )
-    )
+    ))
     sys.exit(code)
 
 

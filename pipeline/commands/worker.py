@@ -78,6 +78,9 @@ def worker(
 
     serve_metrics(settings.web_port or None)
     xapp = create_app(bootstrap, settings, topics)
+    from pipeline.heartbeat import install_faust
+
+    install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)
     from pipeline import logconfig
 
     level, fmt = logconfig.current()
