@@ -36,7 +36,7 @@ CHART = ROOT / "deploy" / "helm" / "xidflow"
 ALL_ENABLED = CHART / "ci" / "all-enabled-values.yaml"
 FIELD_MANAGER = "xidflow-deploy-test"
 # Kinds from operators a bare API server does not have; checked for shape in the unit tests only.
-EXTERNAL_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor")}
+EXTERNAL_KINDS = {("monitoring.coreos.com/v1", "ServiceMonitor"), ("monitoring.coreos.com/v1", "PrometheusRule")}
 
 
 def _docs(text: str) -> list[dict[str, Any]]:
@@ -149,7 +149,7 @@ def test_everything_enabled_passes_server_side_dry_run(k8s, dyn, crds, namespace
     assert {"RescuePolicy", "WarmStandbyPolicy", "Secret", "ServiceMonitor"} <= kinds
     assert len([d for d in docs if d["kind"] == "Deployment"]) == 3  # worker, actuator, loki-tail
     unchecked = dry_run_all(k8s, dyn, docs, namespace)
-    assert unchecked == [f"ServiceMonitor/{release}-xidflow"]
+    assert sorted(unchecked) == [f"PrometheusRule/{release}-xidflow", f"ServiceMonitor/{release}-xidflow"]
 
 
 def test_examples_pass_server_side_dry_run(k8s, dyn, crds, namespace) -> None:  # noqa: ANN001

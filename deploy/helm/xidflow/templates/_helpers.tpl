@@ -89,6 +89,7 @@ prometheus.io/path: /metrics
   value: {{ $t.remediationRequests | quote }}
 - name: XIDFLOW_METRICS_PORT
   value: {{ $root.Values.metrics.port | quote }}
+{{ include "xidflow.opsEnv" $root }}
 - name: POD_NAME
   valueFrom:
     fieldRef:
