@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.localinfra.install import InstallError, ensure_controlplane, ensure_kafka
+from pipeline.localinfra.install import InstallError, install_steps, run_steps
 from pipeline.localinfra.launcher import LocalInfra, default_state_dir
 from pipeline.localinfra.procs import StartError
 
@@ -36,10 +36,7 @@ def local() -> None:
 def install() -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
-        t0 = time.monotonic()
-        ensure_kafka(_log)
-        ensure_controlplane(_log)
-        _log(f"installed in {time.monotonic() - t0:.1f}s")
+        _log(f"installed in {run_steps(install_steps(), err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")
         sys.exit(1)

@@ -16,9 +16,11 @@ import re
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).parent
 POM = HERE / "kafka" / "pom.xml"
@@ -150,3 +152,54 @@ def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
         return dist
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+# -- `xidflow local install`: the steps, with progress -------------------------------------------------------
+@dataclass(frozen=True)
+class InstallStep:
+    """One thing `xidflow local install` installs: a title and the function that installs it."""
+
+    title: str
+    run: Callable[[Log], object]
+
+
+def install_steps() -> list[InstallStep]:
+    """What `xidflow local install` installs, in order. A step added here is shown with the others."""
+    return [
+        InstallStep("Kafka broker jars (Maven)", ensure_kafka),
+        InstallStep("kube-apiserver and etcd (Go build)", ensure_controlplane),
+    ]
+
+
+def run_steps(steps: Sequence[InstallStep], console: Any = None) -> float:
+    """Run the steps in order showing "step n/m", a spinner and the elapsed time; returns total seconds.
+
+    On a terminal each step gets a live line (spinner, step n/m, title, elapsed); piped output (CI logs)
+    gets one line when a step starts and one when it is done. A failing step stops the rest (its
+    ``InstallError`` propagates).
+    """
+    from rich.console import Console
+    from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+    console = console or Console(stderr=True)
+    start = time.monotonic()
+    total = len(steps)
+    if not console.is_terminal:
+        for n, step in enumerate(steps, 1):
+            t0 = time.monotonic()
+            console.print(f"step {n}/{total}: {step.title} ...", highlight=False)
+            step.run(lambda msg: console.print(f"  {msg}", highlight=False))
+            console.print(f"step {n}/{total}: {step.title} done in {time.monotonic() - t0:.1f}s", highlight=False)
+        return time.monotonic() - start
+    columns = (
+        SpinnerColumn(finished_text="[green]✓[/]"),
+        TextColumn("step {task.fields[n]}/{task.fields[m]}"),
+        TextColumn("{task.description}"),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console) as progress:
+        for n, step in enumerate(steps, 1):
+            task = progress.add_task(step.title, total=1, n=n, m=total)
+            step.run(lambda msg: progress.console.print(f"  [dim]{msg}[/]", highlight=False))
+            progress.update(task, completed=1)
+    return time.monotonic() - start
