@@ -9,6 +9,7 @@ and a non-zero exit, never a traceback.
 from __future__ import annotations
 
 import asyncio
+import atexit
 import contextlib
 import getpass
 import os
@@ -86,10 +87,16 @@ def resolve_kubeconfig(kubeconfig: str | None, context: str | None) -> str | Non
             f"context {context!r} is not in the kubeconfig {path} (contexts: {', '.join(map(str, names)) or 'none'})."
         )
     data["current-context"] = context
-    fd, copy = tempfile.mkstemp(prefix="xidflow-kubeconfig-", suffix=".yaml")
+    fd, copy = tempfile.mkstemp(prefix="xidflow-kubeconfig-", suffix=".yaml")  # mode 0600: it holds credentials
+    atexit.register(_remove, copy)
     with os.fdopen(fd, "w") as f:
         yaml.safe_dump(data, f)
     return copy
+
+
+def _remove(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.unlink(path)
 
 
 def make_kube(kubeconfig: str | None) -> Any:
@@ -320,7 +327,7 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
         if missing:
             raise click.ClickException(f"no such node: {', '.join(missing)} (nothing was reset).")
         if all_nodes:
-            await probe.list_nodes(settings.gpu_node_selector, limit=1)
+            await probe.list_nodes(settings.gpu_node_selector)
 
     _run(probe, check)
     from pipeline.actuator.app import Actuator

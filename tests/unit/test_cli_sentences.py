@@ -119,3 +119,20 @@ def test_classify_a_directory(tmp_path: Path) -> None:
 def test_local_env_when_nothing_is_up(tmp_path: Path) -> None:
     code, out = run(["local", "env", "--state-dir", str(tmp_path)], {})
     assert code == 1 and "not up" in out
+
+
+def test_context_selects_the_cluster(tmp_path: Path) -> None:
+    current, other = free_port(), free_port()
+    path = tmp_path / "kubeconfig"
+    path.write_text(
+        "apiVersion: v1\nkind: Config\n"
+        f"clusters:\n- {{name: a, cluster: {{server: 'https://127.0.0.1:{current}', insecure-skip-tls-verify: 1}}}}\n"
+        f"- {{name: b, cluster: {{server: 'https://127.0.0.1:{other}', insecure-skip-tls-verify: 1}}}}\n"
+        "users: [{name: u, user: {token: t}}]\n"
+        "contexts: [{name: ctx-a, context: {cluster: a, user: u}}, {name: ctx-b, context: {cluster: b, user: u}}]\n"
+        "current-context: ctx-a\n"
+    )
+    code, out = run(["status", "--kubeconfig", str(path)], {})
+    assert code == 1 and f"127.0.0.1:{current}" in out
+    code, out = run(["status", "--kubeconfig", str(path), "--context", "ctx-b"], {})
+    assert code == 1 and f"127.0.0.1:{other}" in out and f"127.0.0.1:{current}" not in out
