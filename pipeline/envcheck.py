@@ -3,15 +3,21 @@
 pydantic-settings ignores unknown variables (``extra="ignore"``), so a typo such as
 ``XIDFLOW_AGG_WINDOW_SECONDS`` would silently leave the default in place. The known names are
 collected from every settings class (``pipeline.configdoc.SETTINGS_CLASSES``, plus any other
-settings class already imported) and the few variables read directly from the environment.
+settings class already imported) and the few variables read directly from the environment. Modules
+not yet imported are read as source (``ast``), so the check costs no Faust import; a unit test keeps
+that reading equal to pydantic's.
 """
 
 from __future__ import annotations
 
+import ast
 import difflib
 import importlib
+import importlib.util
 import os
+import sys
 from collections.abc import Iterable, Mapping
+from pathlib import Path
 
 PREFIX = "XIDFLOW_"
 
@@ -37,26 +43,57 @@ def settings_names(cls: type) -> set[str]:
     return names
 
 
-def _settings_classes() -> Iterable[type]:
-    from pydantic_settings import BaseSettings
+def _source_names(module_name: str, class_name: str) -> set[str] | None:
+    """The class's variable names read from its module's source, without importing it (the worker's and
+    the actuator's modules import Faust and the Kubernetes client: seconds). None when not found there."""
+    spec = importlib.util.find_spec(module_name)
+    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+        return None
+    tree = ast.parse(Path(spec.origin).read_text())
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
+    if cls is None or len(cls.bases) != 1 or getattr(cls.bases[0], "id", None) != "BaseSettings":
+        return None  # inherits fields from elsewhere: let pydantic answer
+    prefix, names = "", set()
+    for node in cls.body:
+        if isinstance(node, ast.Assign) and [getattr(t, "id", None) for t in node.targets] == ["model_config"]:
+            prefix = next((k.value.value for k in getattr(node.value, "keywords", [])
+                           if k.arg == "env_prefix" and isinstance(k.value, ast.Constant)), "")
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            if node.target.id.startswith("_") or "ClassVar" in ast.unparse(node.annotation):
+                continue
+            alias = next((k.value.value for k in getattr(node.value, "keywords", [])
+                          if k.arg == "validation_alias" and isinstance(k.value, ast.Constant)), None)
+            names.add(str(alias).upper() if alias else (str(prefix) + node.target.id).upper())
+    return names
 
+
+def _registered() -> Iterable[tuple[str, str]]:
     from pipeline import configdoc
 
     for module_name, class_name, _ in configdoc.SETTINGS_CLASSES:
+        yield module_name, class_name
+
+
+def known_names(imported: bool = False) -> set[str]:
+    """Every ``XIDFLOW_*`` name a setting reads. ``imported=True`` asks pydantic (imports every module)."""
+    from pydantic_settings import BaseSettings
+
+    names = set(DIRECT_NAMES)
+    for module_name, class_name in _registered():
+        module = sys.modules.get(module_name)
+        from_source = None if imported or module is not None else _source_names(module_name, class_name)
+        if from_source is not None:
+            names |= from_source
+            continue
         try:
-            yield getattr(importlib.import_module(module_name), class_name)
+            cls = getattr(module or importlib.import_module(module_name), class_name)
         except (ImportError, AttributeError):
             continue  # a module missing from this build is not this check's business
-    stack = list(BaseSettings.__subclasses__())
+        names |= settings_names(cls)
+    stack = list(BaseSettings.__subclasses__())  # settings classes already imported, registered or not
     while stack:
         cls = stack.pop()
         stack += cls.__subclasses__()
-        yield cls
-
-
-def known_names() -> set[str]:
-    names = set(DIRECT_NAMES)
-    for cls in _settings_classes():
         names |= settings_names(cls)
     return {n for n in names if n.startswith(PREFIX)}
 

@@ -122,3 +122,15 @@ def test_dict_config_is_accepted_by_logging() -> None:
     for fmt in logconfig.FORMATS:
         logging.config.dictConfig(logconfig.dict_config("info", fmt))
     logconfig.configure("warning", "text")
+
+
+def test_reading_settings_from_source_equals_pydantic() -> None:
+    import subprocess
+    import sys
+
+    # In a fresh interpreter (nothing imported yet), the source reading must give what pydantic gives.
+    code = ("from pipeline import envcheck; import sys; a = envcheck.known_names(); "
+            "assert 'faust' not in sys.modules and 'kubernetes' not in sys.modules, 'imported heavy modules'; "
+            "b = envcheck.known_names(imported=True); print(sorted(a ^ b)); assert a == b")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
