@@ -62,7 +62,8 @@ def resolve_kubeconfig(kubeconfig: str | None, context: str | None) -> str | Non
     client built from a path (the actuator's too) uses it.
     """
     path = kubeconfig or str(Path("~/.kube/config").expanduser())
-    if not Path(path).is_file():
+    files = [p for p in path.split(os.pathsep) if p]  # KUBECONFIG may list several files, as for kubectl
+    if not any(Path(p).is_file() for p in files):
         if kubeconfig:
             raise click.ClickException(f"the kubeconfig {kubeconfig} does not exist.")
         if os.environ.get("KUBERNETES_SERVICE_HOST"):
@@ -75,6 +76,8 @@ def resolve_kubeconfig(kubeconfig: str | None, context: str | None) -> str | Non
         )
     if not context:
         return path
+    if len(files) > 1:
+        raise click.ClickException("--context needs a single kubeconfig file; pass --kubeconfig FILE.")
     import yaml
 
     try:

@@ -136,3 +136,9 @@ def test_context_selects_the_cluster(tmp_path: Path) -> None:
     assert code == 1 and f"127.0.0.1:{current}" in out
     code, out = run(["status", "--kubeconfig", str(path), "--context", "ctx-b"], {})
     assert code == 1 and f"127.0.0.1:{other}" in out and f"127.0.0.1:{current}" not in out
+
+
+def test_a_kubeconfig_list_is_accepted_as_kubectl_does(tmp_path: Path) -> None:
+    listed = f"{tmp_path / 'missing'}:{down_kubeconfig(tmp_path)}"
+    code, out = run(["status"], {"KUBECONFIG": listed})
+    assert code == 1 and "cannot reach the Kubernetes API server" in out
