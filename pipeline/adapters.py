@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from pipeline.parsing.kmsg import decode_kmsg_escapes
 from schemas.records import DeadLetter, LogRecord, Source
 
 STAGE = "adapter"
@@ -426,7 +427,8 @@ class _Context:
             ts = self.record_time(obj) or ts_hint or self._kmsg_time(obj) or self.fallback_time()
             node = self.record_node(obj) or self.fallback_node()
             boot_id = obj.get("boot_id")
-            return self.make(node, Source.KERNEL, ts, obj["msg"], "fluentbit-kmsg", boot_id=boot_id)
+            msg = decode_kmsg_escapes(obj["msg"]) if isinstance(obj["msg"], str) else obj["msg"]  # \x0a etc.
+            return self.make(node, Source.KERNEL, ts, msg, "fluentbit-kmsg", boot_id=boot_id)
         if "MESSAGE" in obj:
             ts = self.record_time(obj) or ts_hint or _journald_time(obj) or self.fallback_time()
             node = self.record_node(obj) or self.fallback_node()

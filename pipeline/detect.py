@@ -42,7 +42,6 @@ from pydantic import ValidationError
 
 from pipeline.catalog import Catalog, Classification
 from pipeline.parsing.common import normalize_pci
-from pipeline.parsing.kmsg import record_lines
 from pipeline.parsing.kernel import (
     NCCL_MARKER,
     NVRM_MARKER,
@@ -54,6 +53,7 @@ from pipeline.parsing.kernel import (
     XidLine,
     parse_kernel_line,
 )
+from pipeline.parsing.kmsg import record_lines
 from pipeline.parsing.pod import match_pod_signal, pod_anchor
 from schemas.records import (
     FaultEvent,

@@ -7,7 +7,9 @@ fails every rank of a distributed job reports errors. Each signal is therefore t
 - ``hardware``: the CUDA runtime says the hardware failed (uncorrectable ECC / NVLink error);
 - ``application``: the job's own bug or a crash it caused (illegal address, device-side assert, ...);
 - ``sympathetic``: collective-communication failures every rank reports when a peer dies (NCCL
-  watchdog timeouts, remote process exited). Never act on these alone.
+  watchdog timeouts, remote process exited, NET/IB completion errors with a status, socket transport
+  "Connection reset by peer"). Never act on these alone: the aggregator attaches them to kernel
+  evidence on the same node (corroboration), exactly like the watchdog timeouts.
 
 The patterns cover the CUDA runtime's error strings (``cudaGetErrorString``), the driver API's
 enum names (``CUDA_ERROR_*``) and runtime enum names (``cudaError*``), as PyTorch, JAX and NCCL print them.
@@ -56,6 +58,17 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
      r"NCCL error[^\n]*unhandled system error|ncclSystemError"),
     ("nccl_unhandled_cuda_error", SignalGrade.SYMPATHETIC,
      r"unhandled cuda error|ncclUnhandledCudaError"),
+    # NCCL's network transports when a peer's node dies: IB/RoCE work completions with an error status
+    # ("NET/IB : Got completion from peer 10.0.0.2<41234> with status=12 opcode=0 ..." in NCCL >= 2.19,
+    # "NET/IB : Got completion with error 12, opcode 0, len 0, vendor err 129" before), async port events,
+    # AWS OFI completion errors, and the socket transport's recv failing on a reset or closed connection.
+    ("nccl_net_ib_error", SignalGrade.SYMPATHETIC,
+     r"NET/IB\s*:\s*Got (?:completion\b[^\n]*?with (?:error|status)|async (?:error )?event)"),
+    ("nccl_net_ofi_error", SignalGrade.SYMPATHETIC,
+     r"NET/OFI\b[^\n]*?(?:error|failed)"),
+    ("nccl_net_socket_error", SignalGrade.SYMPATHETIC,
+     r"(?:NET/Socket|NCCL|socketProgress|[Cc]all to (?:recv|send)|gloo|c10d|TCPStore|ProcessGroup)[^\n]*?"
+     r"(?:Connection reset by peer|Connection closed by (?:remote )?peer|Broken pipe)"),
     ("nccl_error", SignalGrade.SYMPATHETIC,
      r"NCCL error\b|ncclInternalError|ncclRemoteError"),
 )
@@ -73,6 +86,10 @@ POD_ANCHORS: tuple[str, ...] = (
     "ordinal",
     "Watchdog",
     "remote process",
+    "NET/",
+    "reset by peer",
+    "closed by",
+    "Broken pipe",
 )
 
 
