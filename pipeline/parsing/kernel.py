@@ -114,7 +114,7 @@ _XID154_RE = re.compile(
     r"\s+to\s+0x(?P<new>[0-9A-Fa-f]+)(?:\s*\((?P<new_text>[^)]*)\))?"
 )
 _UUID_RE = re.compile(
-    r"GPU at PCI:(?P<pci>" + PCI_PATTERN + r"):\s*"
+    r"GPU at (?:PCI:)?(?P<pci>" + PCI_PATTERN + r"):\s*"
     r"(?P<uuid>GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12})\s*$"
 )
 _FOB_PART1_RE = re.compile(
@@ -236,7 +236,7 @@ def parse_nvrm(rest: str) -> KernelLine | None:
         pci = normalize_pci(m.group("pci")) if m else None
         id_match = _PCI_ID_RE.search(rest)
         return FallenOffBusLine(part=0, pci=pci, pci_id=_lower(id_match.group(1)) if id_match else None)
-    if rest.startswith("GPU at PCI:"):
+    if rest.startswith("GPU at "):  # "GPU at PCI:0000:01:00: GPU-<uuid>" (older drivers omit "PCI:")
         um = _UUID_RE.match(rest)
         if um is not None:
             pci = normalize_pci(um.group("pci"))
