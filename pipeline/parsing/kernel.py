@@ -110,8 +110,8 @@ _NVLINK5_RE = re.compile(
     r"Link\s+(?P<link>-?\d+)\s*(?:\((?P<regs>[^)]*)\)?)?"  # lines cut short lose the closing parenthesis
 )
 _XID154_RE = re.compile(
-    r"from\s+0x(?P<old>[0-9A-Fa-f]+)(?:\s*\((?P<old_text>[^)]*)\))?"
-    r"\s+to\s+0x(?P<new>[0-9A-Fa-f]+)(?:\s*\((?P<new_text>[^)]*)\))?"
+    r"from\s+(?:0x)?(?P<old>[0-9A-Fa-f]+)\b(?:\s*\((?P<old_text>[^)]*)\))?"
+    r"\s+to\s+(?:0x)?(?P<new>[0-9A-Fa-f]+)\b(?:\s*\((?P<new_text>[^)]*)\))?"
 )
 _UUID_RE = re.compile(
     r"GPU at (?:PCI:)?(?P<pci>" + PCI_PATTERN + r"):\s*"
@@ -129,7 +129,7 @@ _FOB_PART2_RE = re.compile(
 _FOB_PCI_RE = re.compile(r"\bGPU\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + PCI_PATTERN + r")(?![0-9A-Fa-f])")
 FALLEN_OFF = "fallen off the bus"
 _SXID_RE = re.compile(
-    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch\d+|lwpu-\w+):\s*)?SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
+    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch[A-Za-z0-9_-]*|lwpu-\w+):\s*)?SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
     r"(?P<code>\d{1,6}),\s*(?P<rest>.*)"
 )
 _SXID_HEADER_RE = re.compile(r"(?P<sev>Fatal|Non-fatal|Nonfatal)\b,?\s*(?:Link\s+(?P<link>\d+)\b)?\s*(?P<msg>.*)")
