@@ -129,7 +129,8 @@ _FOB_PART2_RE = re.compile(
 _FOB_PCI_RE = re.compile(r"\bGPU\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + PCI_PATTERN + r")(?![0-9A-Fa-f])")
 FALLEN_OFF = "fallen off the bus"
 _SXID_RE = re.compile(
-    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch[A-Za-z0-9_-]*|lwpu-\w+):\s*)?SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
+    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch[A-Za-z0-9_-]*|lwpu-\w+):\s*)?"
+    r"SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
     r"(?P<code>\d{1,6}),\s*(?P<rest>.*)"
 )
 _SXID_HEADER_RE = re.compile(r"(?P<sev>Fatal|Non-fatal|Nonfatal)\b,?\s*(?:Link\s+(?P<link>\d+)\b)?\s*(?P<msg>.*)")

@@ -205,3 +205,14 @@ def catalog() -> Catalog:
     return Catalog.default()
 
 
+
+
+@pytest.mark.parametrize("command", ["worker", "actuator"])
+def test_worker_and_actuator_refuse_a_bad_override_before_connecting(tmp_path: Path, command: str) -> None:
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("xid:\n  31: {action: EXPLODE}\n", encoding="utf-8")
+    env = {**os.environ, "XIDFLOW_CATALOG_OVERRIDES": str(bad), "PYTHONPATH": str(REPO),
+           "KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1"}
+    proc = subprocess.run([sys.executable, "-m", "pipeline.cli", command], env=env, cwd=REPO, capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode != 0 and "invalid catalog override" in proc.stderr and "xid 31" in proc.stderr
