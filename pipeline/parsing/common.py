@@ -40,6 +40,13 @@ _QUOTING_CHARS = frozenset("\"'=|$`\\")
 # colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
 _TOKEN = r"""[^\s:"'=|$`\\]*(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
 _ISO_TS = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+# Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
+# "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
+# ("/var/log/kern.log:", "syslog.1:1234:").
+_HEAD_RE = re.compile(
+    r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
+    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:)"
+)
 _KERNEL_PREFIX_RE = re.compile(
     r"\s*(?:<\d{1,3}>\d?\s*)?"
     r"(?:\d+,\d+,\d+(?:,[^;]*)?;)?"
@@ -60,6 +67,9 @@ def prefix_is_kernel(prefix: str) -> bool:
     """
     if not prefix or prefix.isspace():
         return True
+    head = _HEAD_RE.match(prefix)
+    if head is not None:  # a kmsg record header ("caller=T12" has '=') or grep's "file:" / "file:line:"
+        prefix = prefix[head.end():]
     if not _QUOTING_CHARS.isdisjoint(prefix):
         return False
     return _KERNEL_PREFIX_RE.fullmatch(prefix) is not None

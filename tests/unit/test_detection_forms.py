@@ -220,3 +220,18 @@ def test_nccl_transport_errors_corroborate_and_never_open_alone() -> None:
     state, out = agg.step(state, xid, now=1.0)
     [incident] = out
     assert nccl.id in incident.evidence_ids and incident.code == 79
+
+
+@pytest.mark.parametrize(
+    "prefix",
+    ["6,1234,5678,-,caller=T12;", "/var/log/kern.log:Nov 21 23:11:02 host kernel: ",
+     "syslog.1:1234:Nov 21 23:11:02 host kernel: [ 1.2] ", "kern.log:[ 12.3] ", "[  +0.000004] ", "[Nov22 10:00] "],
+)
+def test_kmsg_caller_ids_and_grep_file_prefixes_are_kernel_lines(prefix: str) -> None:
+    [(_, event)] = list(classify_lines([prefix + "NVRM: Xid (PCI:0000:4e:00): 48, An uncorrectable double bit error"]))
+    assert event.code == 48
+
+
+def test_grep_output_of_another_program_is_still_not_kernel() -> None:
+    line = "messages:Nov 21 23:11:02 host gpud[1]: NVRM: Xid (PCI:0000:4e:00): 48, An uncorrectable double bit error"
+    assert list(classify_lines([line])) == []
