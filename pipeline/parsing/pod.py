@@ -39,6 +39,10 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
      r"uncorrectable ECC error encountered|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
     ("cuda_nvlink_uncorrectable", SignalGrade.HARDWARE,
      r"uncorrectable NVLink error detected|CUDA_ERROR_NVLINK_UNCORRECTABLE|cudaErrorNvlinkUncorrectable"),
+    # NVML's NVML_ERROR_GPU_IS_LOST text and nvidia-smi's "GPU is lost" as a container prints them.
+    ("nvml_gpu_lost", SignalGrade.HARDWARE,
+     r"GPU has fallen off the bus or has otherwise become inaccessible|NVML_ERROR_GPU_IS_LOST"
+     r"|GPU is lost\. Reboot the system"),
     ("cuda_illegal_address", SignalGrade.APPLICATION,
      r"an illegal memory access was encountered|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress"),
     ("cuda_launch_failure", SignalGrade.APPLICATION,
@@ -87,6 +91,8 @@ POD_ANCHORS: tuple[str, ...] = (
     "Watchdog",
     "remote process",
     "NET/",
+    "fallen off the bus",
+    "GPU is lost",
     "reset by peer",
     "closed by",
     "Broken pipe",
