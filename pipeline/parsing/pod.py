@@ -42,7 +42,7 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
     # NVML's NVML_ERROR_GPU_IS_LOST text and nvidia-smi's "GPU is lost" as a container prints them.
     ("nvml_gpu_lost", SignalGrade.HARDWARE,
      r"GPU has fallen off the bus or has otherwise become inaccessible|NVML_ERROR_GPU_IS_LOST"
-     r"|GPU is lost\. Reboot the system"),
+     r"|NVMLError_GpuIsLost|GPU is lost\.\s+Reboot the system"),
     ("cuda_illegal_address", SignalGrade.APPLICATION,
      r"an illegal memory access was encountered|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress"),
     ("cuda_launch_failure", SignalGrade.APPLICATION,
@@ -93,6 +93,7 @@ POD_ANCHORS: tuple[str, ...] = (
     "NET/",
     "fallen off the bus",
     "GPU is lost",
+    "GpuIsLost",
     "reset by peer",
     "closed by",
     "Broken pipe",
