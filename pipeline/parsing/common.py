@@ -38,7 +38,7 @@ _QUOTING_CHARS = frozenset("\"'=|$`\\")
 #   ("[538441.007373] ", dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
 # Anything else -- another program's tag ("alertmanager[12]: "), a log level ("WARN "), words ending in a
 # colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
-_TOKEN = r"""[^\s:"'=|$`\\]*(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
+_TOKEN = r"""[^\s:"'=|$`\\]+(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
 _ISO_TS = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
 # Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
 # "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
