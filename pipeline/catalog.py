@@ -72,7 +72,13 @@ class CatalogSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="XIDFLOW_CATALOG_", extra="ignore")
 
     path: Path | None = Field(default=None, description="Replace the built-in catalog file entirely")
-    overrides: Path | None = Field(default=None, description="YAML file whose entries override the catalog's")
+    overrides: Path | None = Field(
+        default=None,
+        description="YAML file whose entries override the catalog's (same layout). Read by every stage that "
+        "classifies: the worker's parse stage and aggregation, the actuator's condition types and policy "
+        "matching, `xidflow classify`. Example: `defaults: {unknown_xid: {action: CONTACT_SUPPORT}}` "
+        "quarantines on unknown codes instead of alerting.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
