@@ -553,7 +553,7 @@ class Aggregator:
         if workflow == "repeat_gpc_tpc":
             gpc, tpc = event.detail.get("gpc"), event.detail.get("tpc")
             if gpc is not None and tpc is not None:
-                key = f"xid13:{event.pci}:gpc{gpc}:tpc{tpc}"
+                key = f"xid{code}:{event.pci}:gpc{gpc}:tpc{tpc}"
                 rule = (
                     key,
                     s.xid13_repeat_threshold,
@@ -562,7 +562,7 @@ class Aggregator:
                 )
         elif workflow == "repeat_gpu":
             rule = (
-                f"xid31:{event.pci}",
+                f"xid{code}:{event.pci}",
                 s.xid31_repeat_threshold,
                 s.xid31_escalated_action,
                 f"Xid {code} repeating on one GPU",
@@ -570,7 +570,7 @@ class Aggregator:
         elif event.kind in XID_KINDS and (
             event.sticky
             or code in s.sticky_codes
-            or (event.kind is FaultKind.XID and self.catalog.xid(code).sticky if code is not None else False)
+            or (event.kind is FaultKind.XID and code is not None and self.catalog.xid(code).sticky)
             or group.startswith("gpu_lost:")
         ):
             label = "GPU fallen off the bus / Xid 79" if group.startswith("gpu_lost:") else f"sticky Xid {code}"
