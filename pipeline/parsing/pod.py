@@ -71,7 +71,7 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
     ("nccl_net_ofi_error", SignalGrade.SYMPATHETIC,
      r"NET/OFI\b[^\n]*?(?:error|failed)"),
     ("nccl_net_socket_error", SignalGrade.SYMPATHETIC,
-     r"(?:NET/|[Nn][Cc][Cc][Ll]|socketProgress|[Cc]all to |gloo|c10d|TCPStore|ProcessGroup)[^\n]*?"
+     r"(?:NET/|[Nn][Cc][Cc][Ll]|socketProgress)[^\n]*?"
      r"(?:Connection reset by peer|Connection closed by (?:remote )?peer|Broken pipe)"),
     ("nccl_error", SignalGrade.SYMPATHETIC,
      r"NCCL error\b|ncclInternalError|ncclRemoteError"),

@@ -235,3 +235,26 @@ def test_kmsg_caller_ids_and_grep_file_prefixes_are_kernel_lines(prefix: str) ->
 def test_grep_output_of_another_program_is_still_not_kernel() -> None:
     line = "messages:Nov 21 23:11:02 host gpud[1]: NVRM: Xid (PCI:0000:4e:00): 48, An uncorrectable double bit error"
     assert list(classify_lines([line])) == []
+
+
+def test_the_node_side_fluent_bit_filter_keeps_every_new_form() -> None:
+    """What these parsers now recognise must survive the chart's Fluent Bit grep before it ships."""
+    import re
+    from pathlib import Path
+
+    import yaml
+
+    config = yaml.safe_load((Path(__file__).resolve().parents[2] / "deploy/fluent-bit/fluent-bit.yaml").read_text())
+    regexes = {f["match"]: f["regex"].partition(" ")[2] for f in config["pipeline"]["filters"] if f["name"] == "grep"}
+    kernel_re, pod_re = (re.compile(regexes[m]) for m in ("kernel", "kube.*"))
+    corpus = Path(__file__).resolve().parents[2] / "tests/corpus"
+    pod_lines = [line for case in yaml.safe_load((corpus / "pod_corpus.yaml").read_text())["cases"]
+                 for line in case["lines"]]
+    kernel_lines = [line for case in yaml.safe_load((corpus / "kernel_corpus.yaml").read_text())["cases"]
+                    for line in case["lines"]]
+    for line in [*NCCL_NET, *pod_lines]:
+        if match_pod_signal(line) is not None:
+            assert pod_re.search(line), line
+    for line in [*kernel_lines, *THREE, KMSG_ONE_RECORD, *QUOTED]:
+        if parse_kernel_line(line) is not None:
+            assert kernel_re.search(line), line
