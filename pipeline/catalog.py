@@ -41,12 +41,13 @@ issue 1888 describes). Operators who prefer the old conservative answer override
       unknown_xid: {action: CONTACT_SUPPORT, severity: error}
 
 Which catalog a process uses: :meth:`Catalog.configured` (built-in file plus the environment's
-overrides, loaded once per process) is the default of every classifying component.
+overrides, loaded once per environment value) is the default of every classifying component.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
@@ -269,14 +270,15 @@ class Catalog:
 
     @classmethod
     def configured(cls) -> Catalog:
-        """The catalog as this process's environment configures it, loaded once per process.
+        """The catalog as this process's environment configures it, loaded once per environment value.
 
         The built-in file (or ``XIDFLOW_CATALOG_PATH``) with ``XIDFLOW_CATALOG_OVERRIDES`` applied: the
         default of every component that classifies (detector, aggregator, actuator problem mapping,
-        ``xidflow classify``), so an operator's override reaches all of them. Raises
-        :class:`CatalogError` for an invalid override (not cached: a fixed file is read again).
+        ``xidflow classify``), so an operator's override reaches all of them. Cached per settings value;
+        raises :class:`CatalogError` for an invalid override (not cached: a fixed file is read again).
         """
-        return _configured_catalog()
+        # A cheap key (two environment reads); the settings are parsed only when it changes.
+        return _configured_catalog(os.environ.get("XIDFLOW_CATALOG_PATH"), os.environ.get("XIDFLOW_CATALOG_OVERRIDES"))
 
     # -- lookups ----------------------------------------------------------------------------------
 
@@ -433,8 +435,9 @@ def _default_catalog() -> Catalog:
     return Catalog.load()
 
 
-@lru_cache(maxsize=1)
-def _configured_catalog() -> Catalog:
+@lru_cache(maxsize=8)
+def _configured_catalog(path_env: str | None, overrides_env: str | None) -> Catalog:
+    # Keyed by the environment, so a process (or a test) that changes it gets the matching catalog.
     settings = CatalogSettings()
     if settings.path is None and settings.overrides is None:
         return _default_catalog()
