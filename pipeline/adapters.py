@@ -435,7 +435,12 @@ class _Context:
             kernel = obj.get("_TRANSPORT") == "kernel" or obj.get("SYSLOG_IDENTIFIER") == "kernel"
             source = Source.KERNEL if kernel else self.default_source()
             boot_id = obj.get("_BOOT_ID")
-            return self.make(node, source, ts, obj["MESSAGE"], "fluentbit-systemd", boot_id=boot_id)
+            message = obj["MESSAGE"]
+            if not kernel and source is Source.KERNEL and obj.get("_TRANSPORT") and isinstance(message, str):
+                # A userspace program's entry: keep its tag as journalctl shows it, so a kernel line it
+                # quotes is not taken for the kernel's own (pipeline.parsing.common.prefix_is_kernel).
+                message = f"{obj.get('SYSLOG_IDENTIFIER') or obj.get('_COMM') or 'userspace'}: {message}"
+            return self.make(node, source, ts, message, "fluentbit-systemd", boot_id=boot_id)
         for field in ("log", "message", "msg"):
             if field in obj:
                 ts = self.record_time(obj) or ts_hint or self.fallback_time()

@@ -258,3 +258,14 @@ def test_the_node_side_fluent_bit_filter_keeps_every_new_form() -> None:
     for line in [*kernel_lines, *THREE, KMSG_ONE_RECORD, *QUOTED]:
         if parse_kernel_line(line) is not None:
             assert kernel_re.search(line), line
+
+
+def test_a_userspace_journal_entry_quoting_the_kernel_is_not_a_fault() -> None:
+    quoted = {"MESSAGE": "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+              "_HOSTNAME": "n1", "_TRANSPORT": "stdout", "SYSLOG_IDENTIFIER": "gpu-alerter",
+              "__REALTIME_TIMESTAMP": "1763805600000000"}
+    [record], _ = decode_record(orjson.dumps(quoted), b"n1", [], "gpu.logs.kernel")
+    assert Detector().process(record) == []
+    own = {**quoted, "_TRANSPORT": "kernel", "SYSLOG_IDENTIFIER": "kernel"}
+    [record], _ = decode_record(orjson.dumps(own), b"n1", [], "gpu.logs.kernel")
+    assert [e.code for e in Detector().process(record)] == [79]
