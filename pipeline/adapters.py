@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from pipeline.parsing.kmsg import decode_kmsg_escapes
 from schemas.records import DeadLetter, LogRecord, Source
 
 STAGE = "adapter"
@@ -426,14 +427,20 @@ class _Context:
             ts = self.record_time(obj) or ts_hint or self._kmsg_time(obj) or self.fallback_time()
             node = self.record_node(obj) or self.fallback_node()
             boot_id = obj.get("boot_id")
-            return self.make(node, Source.KERNEL, ts, obj["msg"], "fluentbit-kmsg", boot_id=boot_id)
+            msg = decode_kmsg_escapes(obj["msg"]) if isinstance(obj["msg"], str) else obj["msg"]  # \x0a etc.
+            return self.make(node, Source.KERNEL, ts, msg, "fluentbit-kmsg", boot_id=boot_id)
         if "MESSAGE" in obj:
             ts = self.record_time(obj) or ts_hint or _journald_time(obj) or self.fallback_time()
             node = self.record_node(obj) or self.fallback_node()
             kernel = obj.get("_TRANSPORT") == "kernel" or obj.get("SYSLOG_IDENTIFIER") == "kernel"
             source = Source.KERNEL if kernel else self.default_source()
             boot_id = obj.get("_BOOT_ID")
-            return self.make(node, source, ts, obj["MESSAGE"], "fluentbit-systemd", boot_id=boot_id)
+            message = obj["MESSAGE"]
+            if not kernel and source is Source.KERNEL and obj.get("_TRANSPORT") and isinstance(message, str):
+                # A userspace program's entry: keep its tag as journalctl shows it, so a kernel line it
+                # quotes is not taken for the kernel's own (pipeline.parsing.common.prefix_is_kernel).
+                message = f"{obj.get('SYSLOG_IDENTIFIER') or obj.get('_COMM') or 'userspace'}: {message}"
+            return self.make(node, source, ts, message, "fluentbit-systemd", boot_id=boot_id)
         for field in ("log", "message", "msg"):
             if field in obj:
                 ts = self.record_time(obj) or ts_hint or self.fallback_time()

@@ -32,6 +32,7 @@ import orjson
 from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.catalog import Catalog
 from schemas.records import (
     Action,
     FaultEvent,
@@ -78,9 +79,9 @@ class AggregationSettings(BaseSettings):
         description="Default 86400 (24 h). Bursts older than this no longer count as repeats.",
     )
     sticky_codes: frozenset[int] = Field(
-        default=frozenset({74, 79, 95, 109, 119}),
-        description="Default {74, 79, 95, 109, 119}. Xid codes whose repeats point to hardware, in addition "
-        "to events the catalog marks sticky.",
+        default=frozenset(),
+        description="Default empty. Xid codes whose repeats point to hardware, in addition to the catalog's "
+        "sticky rows (the catalog is the source: set `sticky: true` there through catalog overrides).",
     )
     sticky_repeat_threshold: int = Field(
         default=2, description="Default 2. Bursts of a sticky code on one GPU that escalate its incident."
@@ -237,18 +238,36 @@ def event_signature(event: FaultEvent) -> str:
     return f"{event.kind.value}:{code}:{where}"
 
 
-def group_key(event: FaultEvent) -> str:
-    """Which open incident an event folds into. Xid 79 and fallen-off-bus share one per PCI."""
-    if event.kind is FaultKind.GPU_FALLEN_OFF_BUS or (event.kind is FaultKind.XID and event.code == 79):
+def group_key(event: FaultEvent, catalog: Catalog | None = None) -> str:
+    """Which open incident an event folds into. The catalog's ``gpu_lost`` Xid (79) and fallen-off-bus
+    share one per PCI."""
+    if event.kind is FaultKind.GPU_FALLEN_OFF_BUS or (
+        event.kind is FaultKind.XID and (catalog or Catalog.configured()).workflow(event.code) == "gpu_lost"
+    ):
         return f"gpu_lost:{event.pci or event.gpu_uuid or '-'}"
     return event_signature(event)
 
 
 class Aggregator:
-    """The aggregation rules, configured by ``AggregationSettings``. Stateless itself."""
+    """The aggregation rules, configured by ``AggregationSettings`` and the catalog. Stateless itself.
 
-    def __init__(self, settings: AggregationSettings | None = None) -> None:
+    The catalog (default :meth:`Catalog.configured`, so operator overrides apply) says which Xid is a
+    follower (45), which is the lost-GPU group (79), which repeat rules apply (13, 31) and which codes
+    are sticky; events carry the action it gave them at parse time.
+
+    Quiet by default for what needs no one: an ``IGNORE`` event (NVIDIA's IGNORE bucket, a non-fatal
+    SXid, a Nonfatal NVLink5 row, recovery action 0) opens no incident, so nothing reaches the node; it
+    only counts in an incident already open for the same signature. ``RESTART_APP`` events open a
+    transient incident: the actuator posts one Warning Event (the job on that node died of a GPU fault)
+    and nothing else; repeats escalate per the rules above.
+    """
+
+    def __init__(self, settings: AggregationSettings | None = None, catalog: Catalog | None = None) -> None:
         self.settings = settings or AggregationSettings()
+        self.catalog = catalog or Catalog.configured()
+
+    def _workflow(self, event: FaultEvent | OpenIncident) -> str:
+        return self.catalog.workflow(event.code) if event.kind is FaultKind.XID else ""
 
     @staticmethod
     def new_state(node: str) -> NodeState:
@@ -288,7 +307,7 @@ class Aggregator:
         if event.kind is FaultKind.HEALTH_CHECK:
             outputs += self._health_check(state, event, now)
             return state, outputs
-        if event.kind is FaultKind.XID and event.code == 45:
+        if self._workflow(event) == "follower":
             outputs += self._follower(state, event, "xid45", now)
             return state, outputs
         if event.kind is FaultKind.POD_ERROR and event.grade is SignalGrade.SYMPATHETIC:
@@ -376,7 +395,7 @@ class Aggregator:
         if state.rebooted and (event.boot_id is None or event.boot_id == state.boot_id):
             state.boot_checks[check] = passed
             outputs += self._maybe_recover_after_reboot(state, now)
-        group = group_key(event)
+        group = group_key(event, self.catalog)
         if passed:
             inc = state.incidents.pop(group, None)
             if inc is not None:
@@ -415,7 +434,7 @@ class Aggregator:
         candidates = [
             inc
             for inc in state.incidents.values()
-            if inc.kind in kinds and inc.code != 45 and abs(ts - inc.last_seen) <= window
+            if inc.kind in kinds and self._workflow(inc) != "follower" and abs(ts - inc.last_seen) <= window
         ]
         if not candidates:
             return None
@@ -424,11 +443,13 @@ class Aggregator:
 
     def _fault(self, state: NodeState, event: FaultEvent, now: float) -> list[Output]:
         ts = _ts(event.ts)
-        group = group_key(event)
+        group = group_key(event, self.catalog)
         sig = event_signature(event)
         escalation = self._track_bursts(state, event, group, ts)
         inc = state.incidents.get(group)
         if inc is None:
+            if event.action is Action.IGNORE and escalation is None:
+                return []  # nothing to do and no one to tell: no incident, nothing on the node
             return self._open(state, event, group, sig, ts, now, escalation)
         inc.count += 1
         if ts > inc.last_seen:
@@ -528,24 +549,30 @@ class Aggregator:
         s = self.settings
         rule: tuple[str, int, Action, str] | None = None
         code = event.code
-        if event.kind is FaultKind.XID and code == 13:
+        workflow = self._workflow(event)
+        if workflow == "repeat_gpc_tpc":
             gpc, tpc = event.detail.get("gpc"), event.detail.get("tpc")
             if gpc is not None and tpc is not None:
-                key = f"xid13:{event.pci}:gpc{gpc}:tpc{tpc}"
+                key = f"xid{code}:{event.pci}:gpc{gpc}:tpc{tpc}"
                 rule = (
                     key,
                     s.xid13_repeat_threshold,
                     s.xid13_escalated_action,
-                    f"Xid 13 repeating on GPC {gpc} TPC {tpc}",
+                    f"Xid {code} repeating on GPC {gpc} TPC {tpc}",
                 )
-        elif event.kind is FaultKind.XID and code == 31:
+        elif workflow == "repeat_gpu":
             rule = (
-                f"xid31:{event.pci}",
+                f"xid{code}:{event.pci}",
                 s.xid31_repeat_threshold,
                 s.xid31_escalated_action,
-                "Xid 31 repeating on one GPU",
+                f"Xid {code} repeating on one GPU",
             )
-        elif event.kind in XID_KINDS and (event.sticky or code in s.sticky_codes or group.startswith("gpu_lost:")):
+        elif event.kind in XID_KINDS and (
+            event.sticky
+            or code in s.sticky_codes
+            or (event.kind is FaultKind.XID and code is not None and self.catalog.xid(code).sticky)
+            or group.startswith("gpu_lost:")
+        ):
             label = "GPU fallen off the bus / Xid 79" if group.startswith("gpu_lost:") else f"sticky Xid {code}"
             rule = (
                 f"sticky:{group}",

@@ -20,19 +20,39 @@ Point ``XIDFLOW_CATALOG_OVERRIDES`` at the file (see :class:`CatalogSettings`) o
 ``overrides=`` to :meth:`Catalog.load`. Invalid entries fail loudly with the entry named
 (``CatalogError: xid 13: action: Input should be 'IGNORE', ...``).
 
-Lookups (all return a :class:`Classification`, never raise, unknown codes are conservative):
+Lookups (all return a :class:`Classification`, never raise):
 :meth:`Catalog.xid`, :meth:`Catalog.sxid`, :meth:`Catalog.recovery_action`, :meth:`Catalog.nvlink5`,
 :meth:`Catalog.signal`, :meth:`Catalog.health_check`.
+
+The catalog is the single source of truth for an Xid's behaviour: besides the action it says which
+codes are sticky (the aggregator escalates their repeats), which follow a decision flow (``workflow``:
+Xid 45 follows other Xids, 79 is the lost-GPU group, 13/31 escalate on repeats, 144-150 and 154 read
+their action from the line) and which node condition describes a fault (``problem``). The detector,
+the aggregator, the parse stage's health-check events and the actuator's problem mapping all ask it.
+
+Unknown and unbucketed codes
+----------------------------
+A code missing from the tables, or one NVIDIA lists without an immediate-resolution bucket, gets
+``defaults.unknown_xid``: ``ALERT`` (a Warning Event and a node condition, no quarantine), so that a
+new driver's new code is seen by a person without taking nodes out of service (the failure NVSentinel
+issue 1888 describes). Operators who prefer the old conservative answer override it::
+
+    defaults:
+      unknown_xid: {action: CONTACT_SUPPORT, severity: error}
+
+Which catalog a process uses: :meth:`Catalog.configured` (built-in file plus the environment's
+overrides, loaded once per environment value) is the default of every classifying component.
 """
 
 from __future__ import annotations
 
 import copy
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -53,7 +73,13 @@ class CatalogSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="XIDFLOW_CATALOG_", extra="ignore")
 
     path: Path | None = Field(default=None, description="Replace the built-in catalog file entirely")
-    overrides: Path | None = Field(default=None, description="YAML file whose entries override the catalog's")
+    overrides: Path | None = Field(
+        default=None,
+        description="YAML file whose entries override the catalog's (same layout). Read by every stage that "
+        "classifies: the worker's parse stage and aggregation, the actuator's condition types and policy "
+        "matching, `xidflow classify`. Example: `defaults: {unknown_xid: {action: CONTACT_SUPPORT}}` "
+        "quarantines on unknown codes instead of alerting.",
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +92,18 @@ class Classification:
     name: str = ""
     fatal: bool | None = None
     known: bool = True
+    workflow: str = ""
 
     @property
     def quarantine(self) -> bool:
         return self.action.quarantines
+
+
+Workflow = Literal["", "follower", "gpu_lost", "nvlink5", "recovery_action", "repeat_gpc_tpc", "repeat_gpu"]
+"""How a code's events are treated beyond its action (see the catalog file's header)."""
+
+Problem = Literal["xid", "ecc", "nvlink", "count", "sxid"]
+"""Which node condition class describes a fault (the actuator's condition type derives from it)."""
 
 
 class _Entry(BaseModel):
@@ -81,6 +115,10 @@ class _Entry(BaseModel):
     action: Action
     severity: Severity
     sticky: bool = False
+    workflow: Workflow = ""
+    problem: Problem | None = None
+    xid: int | None = Field(default=None, description="Signals: the Xid code this signal is the same fault as")
+    source: str = ""
     note: str = ""
 
 
@@ -100,6 +138,8 @@ class _Defaults(BaseModel):
 
     unknown_xid: _Entry
     unknown_sxid: _Entry
+    unknown_sxid_fatal: _Entry | None = None
+    unknown_sxid_nonfatal: _Entry | None = None
     unknown_recovery_action: _Entry
 
 
@@ -108,6 +148,9 @@ class _Nvlink5(BaseModel):
 
     fatal: _Entry
     nonfatal: _Entry
+    subcodes: dict[int, dict[int, _Entry]] = Field(
+        default_factory=dict, description="code -> subcode (intrInfo bits 20-25) -> entry; wins over the flag"
+    )
 
 
 _REQUIRED_SIGNALS = (
@@ -225,6 +268,18 @@ class Catalog:
         """The built-in catalog, loaded once per process."""
         return _default_catalog()
 
+    @classmethod
+    def configured(cls) -> Catalog:
+        """The catalog as this process's environment configures it, loaded once per environment value.
+
+        The built-in file (or ``XIDFLOW_CATALOG_PATH``) with ``XIDFLOW_CATALOG_OVERRIDES`` applied: the
+        default of every component that classifies (detector, aggregator, actuator problem mapping,
+        ``xidflow classify``), so an operator's override reaches all of them. Cached per settings value;
+        raises :class:`CatalogError` for an invalid override (not cached: a fixed file is read again).
+        """
+        # A cheap key (two environment reads); the settings are parsed only when it changes.
+        return _configured_catalog(os.environ.get("XIDFLOW_CATALOG_PATH"), os.environ.get("XIDFLOW_CATALOG_OVERRIDES"))
+
     # -- lookups ----------------------------------------------------------------------------------
 
     @staticmethod
@@ -238,7 +293,44 @@ class Catalog:
             name=entry.name if name is None else name,
             fatal=fatal,
             known=known,
+            workflow=entry.workflow,
         )
+
+    def workflow(self, code: int | None) -> str:
+        """The decision flow of Xid ``code`` (``""`` when its action alone decides)."""
+        entry = self._xid.get(code) if code is not None else None
+        return entry.workflow if entry is not None else ""
+
+    def codes_with_workflow(self, workflow: str) -> frozenset[int]:
+        return frozenset(code for code, entry in self._xid.items() if entry.workflow == workflow)
+
+    def sticky_codes(self) -> frozenset[int]:
+        """Xid codes whose repeats on one GPU point to hardware."""
+        return frozenset(code for code, entry in self._xid.items() if entry.sticky)
+
+    def problem(self, kind: str, code: int | None) -> str:
+        """The condition class of a fault: the Xid row's ``problem`` (default ``xid``), a signal's own."""
+        if kind == "xid":
+            entry = self._xid.get(code) if code is not None else None
+            return (entry.problem if entry is not None else None) or "xid"
+        if kind == "sxid":
+            return "sxid"
+        if kind == "health_check":
+            return "xid"
+        entry = self._signals.get(kind)
+        if entry is not None and entry.problem:
+            return entry.problem
+        return "xid"
+
+    def health_problem(self, check: str) -> str:
+        """The condition class of a failed node check (``gpu_count`` -> count, ``nvlink`` -> nvlink, ...)."""
+        entry = self._health.get(check)
+        return (entry.problem if entry is not None else None) or "xid"
+
+    def signal_xid(self, name: str) -> int | None:
+        """The Xid a code-less signal is the same fault as (``gpu_fallen_off_bus`` -> 79), if any."""
+        entry = self._signals.get(name)
+        return entry.xid if entry is not None else None
 
     def xid(self, code: int) -> Classification:
         """Classification of Xid ``code``; unknown codes get ``defaults.unknown_xid``."""
@@ -259,12 +351,18 @@ class Catalog:
         """Classification of NVSwitch SXid ``code``.
 
         ``printed_fatal`` is the Fatal/Non-fatal word printed in the line. A printed "Fatal" always
-        wins over a non-fatal catalog row (escalating to at least RESET_GPU); an unknown code is
-        ``defaults.unknown_sxid`` whatever was printed (conservative).
+        wins over a non-fatal catalog row (escalating to at least RESET_GPU). For a code outside the
+        Fabric Manager tables the printed word decides: ``defaults.unknown_sxid_fatal`` or
+        ``defaults.unknown_sxid_nonfatal`` (non-fatal SXids are informational), and
+        ``defaults.unknown_sxid`` when the line prints neither.
         """
         entry = self._sxid.get(code)
         if entry is None:
             d = self._defaults.unknown_sxid
+            if printed_fatal is True and self._defaults.unknown_sxid_fatal is not None:
+                d = self._defaults.unknown_sxid_fatal
+            elif printed_fatal is False and self._defaults.unknown_sxid_nonfatal is not None:
+                d = self._defaults.unknown_sxid_nonfatal
             return Classification(d.action, d.severity, False, f"SXID_{code}", printed_fatal, known=False)
         fatal = entry.fatal or bool(printed_fatal)
         action, severity = entry.action, entry.severity
@@ -284,13 +382,20 @@ class Catalog:
             return self._cls(unknown, known=False, name=f"RECOVERY_ACTION_{number}")
         return self._cls(entry, name=f"GPU_RECOVERY_ACTION_{entry.name}")
 
-    def nvlink5(self, code: int, fatal: bool | None) -> Classification:
-        """NVLink5 Xids 144-150 by the printed flag; no flag falls back to the code's own row."""
-        if fatal is None:
-            return self.xid(code)
-        entry = self._nvlink5.fatal if fatal else self._nvlink5.nonfatal
+    def nvlink5(self, code: int, fatal: bool | None, subcode: int | None = None) -> Classification:
+        """NVLink5 Xids 144-150: the decode table's row for ``subcode`` when there is one, else the
+        printed Fatal/Nonfatal flag; no flag falls back to the code's own row."""
         base = self.xid(code)
-        return Classification(entry.action, entry.severity, base.sticky, base.name, fatal, base.known)
+        rows = self._nvlink5.subcodes.get(code)
+        row = rows.get(subcode) if rows is not None and subcode is not None else None
+        if row is not None:
+            name = row.name or f"{base.name}_{subcode}"
+            return Classification(row.action, row.severity, row.sticky or base.sticky, name, fatal, base.known,
+                                  base.workflow)
+        if fatal is None:
+            return base
+        entry = self._nvlink5.fatal if fatal else self._nvlink5.nonfatal
+        return Classification(entry.action, entry.severity, base.sticky, base.name, fatal, base.known, base.workflow)
 
     def signal(self, name: str) -> Classification:
         """A named non-code signal (``gpu_fallen_off_bus``, ``nccl_segfault``, ``pod_<grade>``)."""
@@ -328,3 +433,12 @@ def _read_yaml(path: Path) -> dict[str, Any]:
 @lru_cache(maxsize=1)
 def _default_catalog() -> Catalog:
     return Catalog.load()
+
+
+@lru_cache(maxsize=8)
+def _configured_catalog(path_env: str | None, overrides_env: str | None) -> Catalog:
+    # Keyed by the environment, so a process (or a test) that changes it gets the matching catalog.
+    settings = CatalogSettings()
+    if settings.path is None and settings.overrides is None:
+        return _default_catalog()
+    return Catalog.from_settings(settings)

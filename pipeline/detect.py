@@ -21,7 +21,9 @@ Contract (stable; other stages depend on it):
   bus" message), the last SXid (its continuation lines are folded into it, never counted).
   State is per node and records of one node must arrive in order (Kafka keys by node).
 - :meth:`Detector.process` ``(record) -> list[FaultEvent]``: kernel, pod and probe sources. Never
-  raises on content. A record whose ``line`` holds several lines (``\\n``) is processed line by line.
+  raises on content. A record whose ``line`` holds several lines is processed line by line: real
+  newlines, and for kernel records also ``/dev/kmsg``'s ``\\x0a`` and rsyslog's ``#012``
+  (:func:`pipeline.parsing.kmsg.record_lines`), so a multi-line printk arriving in one piece is found.
 - :meth:`Detector.flush` ``(node=None) -> list[FaultEvent]``: emits what is held for folding.
 - :func:`classify_lines` ``(lines, source, node) -> Iterator[(line_no, FaultEvent)]``: for files.
 
@@ -51,6 +53,7 @@ from pipeline.parsing.kernel import (
     XidLine,
     parse_kernel_line,
 )
+from pipeline.parsing.kmsg import record_lines
 from pipeline.parsing.pod import match_pod_signal, pod_anchor
 from schemas.records import (
     FaultEvent,
@@ -139,7 +142,8 @@ class Detector:
     """
 
     def __init__(self, catalog: Catalog | None = None) -> None:
-        self.catalog = catalog or Catalog.default()
+        self.catalog = catalog or Catalog.configured()
+        self._fallen_code = self.catalog.signal_xid("gpu_fallen_off_bus")
         self._nodes: dict[str, _NodeState] = {}
 
     # -- public API -------------------------------------------------------------------------------
@@ -175,14 +179,14 @@ class Detector:
         if source == _PROBE:
             return self._probe(record, seq)
         text = record.line
-        lines = text.split("\n") if "\n" in text else (text,)
         out: list[tuple[int, FaultEvent]] = []
         if source == _POD:
+            lines = text.split("\n") if "\n" in text else (text,)
             for offset, line in enumerate(lines):
                 if pod_anchor(line):
                     self._pod_line(record, line, offset, seq, out)
             return out
-        for offset, line in enumerate(lines):
+        for offset, line in enumerate(record_lines(text)):
             if NVRM_MARKER in line or SXID_MARKER in line or NCCL_MARKER in line:
                 self._kernel_line(record, line, offset, seq, out)
         return out
@@ -237,15 +241,16 @@ class Detector:
         out: list[tuple[int, FaultEvent]],
     ) -> None:
         code = parsed.code
-        if 144 <= code <= 150:
-            cls = self.catalog.nvlink5(code, parsed.fatal)
-        elif code == 154:
+        workflow = self.catalog.workflow(code)
+        if workflow == "nvlink5":
+            cls = self.catalog.nvlink5(code, parsed.fatal, parsed.subcode)
+        elif workflow == "recovery_action":
             # Act on the recovery-action number; an unreadable number is treated as unknown.
             cls = self.catalog.recovery_action(parsed.subcode if parsed.subcode is not None else -1)
         else:
             cls = self.catalog.xid(code)
         pci = parsed.pci
-        if code == 79 and pci is not None:
+        if workflow == "gpu_lost" and pci is not None:
             state.lost[pci] = (state.tick, record.ts)
         detail = dict(parsed.detail)
         if parsed.message:
@@ -333,7 +338,7 @@ class Detector:
         cls = self.catalog.signal("gpu_fallen_off_bus")
         first_line = lines[0]
         event = self._event(
-            record, first_line, pending.offset, FaultKind.GPU_FALLEN_OFF_BUS, cls, code=None, pci=pci,
+            record, first_line, pending.offset, FaultKind.GPU_FALLEN_OFF_BUS, cls, code=self._fallen_code, pci=pci,
             gpu_uuid=state.uuid_by_pci.get(pci) if pci else None, detail=detail,
         )
         if len(lines) > 1:

@@ -40,6 +40,7 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import metrics
+from pipeline.catalog import Catalog
 from pipeline.settings import TopicNames
 from schemas.records import (
     Action,
@@ -152,22 +153,12 @@ def _automaton(markers: Sequence[bytes]) -> Any:
     return ahocorasick_rs.BytesAhoCorasick(list(markers), matchkind=ahocorasick_rs.MatchKind.LeftmostFirst)
 
 
-HEALTH_CHECK_ACTIONS: dict[str, Action] = {
-    "gpu_count": Action.REBOOT_NODE,
-    "driver": Action.REBOOT_NODE,
-    "nvlink": Action.RESET_GPU,
-    "ecc": Action.RESET_GPU,
-    "remapped_rows": Action.RESET_GPU,
-}
-"""Action of a failed node-side check; unknown checks are conservative (CONTACT_SUPPORT)."""
-
-
 def health_event(result: HealthCheckResult) -> FaultEvent:
     """A health-check result as a fault event (passed checks too: reboot recovery needs them)."""
     if result.passed:
         action, severity = Action.IGNORE, Severity.INFO
     else:
-        action = HEALTH_CHECK_ACTIONS.get(result.check, Action.CONTACT_SUPPORT)
+        action = Catalog.configured().health_check(result.check, result.values).action
         severity = result.severity if result.severity.rank >= Severity.ERROR.rank else Severity.ERROR
     return FaultEvent(
         id=stable_id(result.node, "health_check", result.check, result.gpu_index, result.ts.isoformat()),

@@ -43,6 +43,8 @@ class Action(StrEnum):
 
     IGNORE = "IGNORE"
     RESTART_APP = "RESTART_APP"
+    ALERT = "ALERT"
+    """Tell a person (Warning Event and node condition), keep the node in service: codes NVIDIA left unbucketed."""
     RESET_GPU = "RESET_GPU"
     REBOOT_NODE = "REBOOT_NODE"
     CONTACT_SUPPORT = "CONTACT_SUPPORT"
@@ -64,9 +66,10 @@ class Action(StrEnum):
 _ACTION_RANK = {
     Action.IGNORE: 0,
     Action.RESTART_APP: 1,
-    Action.RESET_GPU: 2,
-    Action.REBOOT_NODE: 3,
-    Action.CONTACT_SUPPORT: 4,
+    Action.ALERT: 2,
+    Action.RESET_GPU: 3,
+    Action.REBOOT_NODE: 4,
+    Action.CONTACT_SUPPORT: 5,
 }
 
 

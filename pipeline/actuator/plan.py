@@ -129,7 +129,8 @@ def _keyed_steps(specs: list[ActionSpec], settings: ActuatorSettings, problem: P
 
 
 def expand_actions(rule: Rule, incident: NodeIncident) -> list[ActionSpec]:
-    """``quarantine`` is cordon + taint + condition + event when the catalog says so, else event only."""
+    """``quarantine`` is cordon + taint + condition + event when the catalog says so, condition + event for
+    ALERT, event only for RESTART_APP, nothing for IGNORE."""
     out: list[ActionSpec] = []
     for spec in rule.actions:
         if spec.name != "quarantine":
@@ -144,7 +145,9 @@ def expand_actions(rule: Rule, incident: NodeIncident) -> list[ActionSpec]:
                 ActionSpec(name="condition"),
                 ActionSpec(name="event"),
             ]
-        else:
+        elif incident.action is Action.ALERT:  # alert only: tell a person and repair tooling, keep serving
+            out += [ActionSpec(name="condition"), ActionSpec(name="event")]
+        elif incident.action is not Action.IGNORE:  # IGNORE: nothing on the node
             out.append(ActionSpec(name="event"))
     return out
 

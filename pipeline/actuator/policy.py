@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.catalog import Catalog
 from schemas.records import FaultKind
 
 API_GROUP = "xidflow.dev"
@@ -158,7 +159,14 @@ class PolicySet(_Model):
     standby: tuple[WarmStandbyPolicy, ...] = ()
 
     def select(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> Rule:
-        """The rule that wins for this incident on this node: highest priority, then most specific."""
+        """The rule that wins for this incident on this node: highest priority, then most specific.
+
+        ``codes`` match the incident's Xid/SXid code. A code-less signal the catalog names as the same
+        fault as an Xid counts as that Xid: "fallen off the bus" is Xid 79 (its events carry 79 already;
+        this covers records that do not). Other code-less kinds match only rules without ``codes``.
+        """
+        if code is None:
+            code = Catalog.configured().signal_xid(kind.value)
         for rule in self.rules:
             if rule.matches(kind, code, node_labels):
                 return rule

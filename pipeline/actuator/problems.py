@@ -2,6 +2,10 @@
 
 Node-repair tools (Karpenter node repair, draino-style controllers) watch conditions by type, so
 the classes are coarse and stable: GpuXid, GpuSXid, GpuEcc, GpuNvlink, GpuCount.
+
+Which class a code belongs to is the catalog's ``problem`` column (``Catalog.problem``), read from
+the configured catalog (built-in file plus ``XIDFLOW_CATALOG_OVERRIDES``): nothing about a code is
+decided here.
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from pipeline.catalog import Catalog
 from schemas.records import FaultKind, NodeIncident
 
 
@@ -20,12 +25,13 @@ class ProblemClass(StrEnum):
     COUNT = "GpuCount"
 
 
-# Xids whose documented cause is memory (ECC, row remapping, page retirement).
-ECC_XIDS = frozenset({48, 63, 64, 92, 94, 95, 140})
-# NVLink errors: Xid 74 and the NVLink5 family.
-NVLINK_XIDS = frozenset({74, *range(144, 151)})
-# A GPU that is gone from the bus lowers the node's GPU count.
-COUNT_XIDS = frozenset({79})
+_CLASS_BY_PROBLEM = {
+    "xid": ProblemClass.XID,
+    "sxid": ProblemClass.SXID,
+    "ecc": ProblemClass.ECC,
+    "nvlink": ProblemClass.NVLINK,
+    "count": ProblemClass.COUNT,
+}
 
 
 @dataclass(frozen=True)
@@ -35,8 +41,9 @@ class Problem:
     taint_value: str
 
 
-def classify_incident(incident: NodeIncident) -> Problem:
+def classify_incident(incident: NodeIncident, catalog: Catalog | None = None) -> Problem:
     """The condition type, Event reason and taint value for an incident."""
+    catalog = catalog or Catalog.configured()
     code = incident.code
     sig = incident.signature.lower()
     if incident.kind == FaultKind.SXID:
@@ -44,14 +51,9 @@ def classify_incident(incident: NodeIncident) -> Problem:
     if incident.kind == FaultKind.GPU_FALLEN_OFF_BUS:
         return Problem(ProblemClass.COUNT, "GpuFallenOffBus", "fallen-off-bus")
     if incident.kind == FaultKind.HEALTH_CHECK:
-        if "gpu_count" in sig:
-            cls = ProblemClass.COUNT
-        elif "nvlink" in sig:
-            cls = ProblemClass.NVLINK
-        elif "ecc" in sig or "remapped" in sig:
-            cls = ProblemClass.ECC
-        else:
-            cls = ProblemClass.XID
+        # signature: health_check:<check>:<gpu>
+        check = incident.signature.split(":", 2)[1] if incident.signature.count(":") >= 1 else ""
+        cls = _CLASS_BY_PROBLEM.get(catalog.health_problem(check), ProblemClass.XID)
         return Problem(cls, "GpuHealthCheckFailed", "health-check")
     if incident.kind == FaultKind.POD_ERROR:
         cls = ProblemClass.XID
@@ -62,14 +64,7 @@ def classify_incident(incident: NodeIncident) -> Problem:
         return Problem(cls, "GpuPodError", "pod-error")
     if incident.kind == FaultKind.KERNEL_SEGFAULT:
         return Problem(ProblemClass.XID, "GpuKernelSegfault", "segfault")
-    if code in ECC_XIDS:
-        cls = ProblemClass.ECC
-    elif code in NVLINK_XIDS:
-        cls = ProblemClass.NVLINK
-    elif code in COUNT_XIDS:
-        cls = ProblemClass.COUNT
-    else:
-        cls = ProblemClass.XID
+    cls = _CLASS_BY_PROBLEM.get(catalog.problem("xid", code), ProblemClass.XID)
     return Problem(cls, "XidError", f"xid-{code}" if code is not None else "xid")
 
 

@@ -33,6 +33,7 @@ def actuator(
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.catalog import Catalog, CatalogError
     from pipeline.commands.status import resolve_kubeconfig, sentences
     from pipeline.heartbeat import with_liveness
     from pipeline.metrics import serve_metrics
@@ -48,6 +49,9 @@ def actuator(
         api_settings = ApiSettings()
         if settings.policy_file:
             load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
+        Catalog.configured()  # condition types and policy codes follow the operator's catalog overrides
+    except CatalogError as exc:
+        raise click.ClickException(f"invalid catalog override: {exc}") from exc
     except ValidationError as exc:
         raise click.ClickException(f"invalid settings (XIDFLOW_ACTUATOR_* / XIDFLOW_API_*):\n{exc}") from exc
     except PolicyError as exc:

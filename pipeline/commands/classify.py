@@ -56,12 +56,13 @@ def _decoded_lines(stream: IO[bytes]) -> Iterator[str]:
               default="text", show_default=True,
               help="Aligned columns (text, wide), one JSON object per line per fault (json), or YAML.")
 @click.option("--catalog-overrides", type=click.Path(dir_okay=False, path_type=str), default=None,
-              help="YAML file overriding catalog entries (same layout as the catalog).")
+              help="YAML file overriding catalog entries (same layout as the catalog). "
+                   "Default: XIDFLOW_CATALOG_OVERRIDES, as the worker uses it.")
 @click.argument("file", required=False, default="-", type=str)
 def classify(source: str, output_format: str, catalog_overrides: str | None, file: str) -> None:
     """Classify kernel or pod log lines from FILE (default: stdin, or '-')."""
     try:
-        catalog = Catalog.load(overrides=catalog_overrides) if catalog_overrides else Catalog.default()
+        catalog = Catalog.load(overrides=catalog_overrides) if catalog_overrides else Catalog.configured()
     except CatalogError as exc:
         raise click.ClickException(str(exc)) from None
     if file == "-":

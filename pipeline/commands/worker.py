@@ -60,7 +60,7 @@ def worker(
         topics = TopicNames()
         AggregationSettings()
         ParseSettings()
-        Catalog.from_settings()
+        Catalog.configured()  # the instance every stage of this process classifies with (overrides included)
     except ValidationError as exc:
         raise click.ClickException(f"invalid settings (XIDFLOW_*):\n{exc}") from exc
     except CatalogError as exc:

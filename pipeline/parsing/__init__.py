@@ -1,4 +1,5 @@
-"""Pure parsers: kernel lines (Xid, SXid, fallen off the bus, UUID map, NCCL segfault) and pod signals.
+"""Pure parsers: kernel lines (Xid, SXid, fallen off the bus, UUID map, NCCL segfault), kmsg record
+decoding (escapes, embedded newlines) and pod signals.
 
 Stateless, no I/O. Stateful folding and classification live in :mod:`pipeline.detect`.
 """
@@ -13,6 +14,7 @@ from pipeline.parsing.kernel import (
     XidLine,
     parse_kernel_line,
 )
+from pipeline.parsing.kmsg import decode_kmsg_escapes, record_lines
 from pipeline.parsing.pod import PodSignal, match_pod_signal, pod_anchor
 
 __all__ = [
@@ -23,9 +25,11 @@ __all__ = [
     "PodSignal",
     "SXidLine",
     "XidLine",
+    "decode_kmsg_escapes",
     "match_pod_signal",
     "normalize_pci",
     "parse_kernel_line",
     "pod_anchor",
     "prefix_is_kernel",
+    "record_lines",
 ]

@@ -30,14 +30,31 @@ def normalize_pci(raw: str) -> str | None:
 # "NVRM: Xid", an audit EXECVE record (a1="..."), sudo's COMMAND=..., a JSON string.
 _QUOTING_CHARS = frozenset("\"'=|$`\\")
 
-# A syslog / journald-short header names the program that wrote the line. Only the kernel writes
-# these messages; another program's line that quotes them (a monitoring agent, a script) is not one.
-_SYSLOG_TAG_RE = re.compile(
-    r"^\s*(?:<\d{1,3}>\d?\s*)?"
-    r"(?:[A-Z][a-z]{2} [ \d]?\d \d\d:\d\d:\d\d(?:\.\d+)?|\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d\S*)"
-    r"\s+\S+\s+(?P<tag>[^\s:\[]+)(?:\[\d+\])?:\s"
+# What may stand before the driver's text on a line the kernel wrote, left to right, each part optional:
+#   syslog priority "<4>" (RFC 5424 adds a version digit), a /dev/kmsg record header "6,1234,5678,-;",
+#   a syslog / journald header ending in the kernel's tag ("Nov 21 23:11:02 host kernel: ",
+#   "2024-07-04T11:09:40+00:00 host kernel: ", RFC 5424 "... host kernel - - - ", bare "kernel: ") or a
+#   bare timestamp (dmesg --time-format iso), dmesg -x "kern  :err   : ", and bracketed stamps
+#   ("[538441.007373] ", dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
+# Anything else -- another program's tag ("alertmanager[12]: "), a log level ("WARN "), words ending in a
+# colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
+_TOKEN = r"""[^\s:"'=|$`\\]+(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
+_ISO_TS = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+# Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
+# "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
+# ("/var/log/kern.log:", "syslog.1:1234:").
+_HEAD_RE = re.compile(
+    r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
+    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:)"
 )
-_KERNEL_TAGS = frozenset({"kernel", "vmunix"})
+_KERNEL_PREFIX_RE = re.compile(
+    r"\s*(?:<\d{1,3}>\d?\s*)?"
+    r"(?:\d+,\d+,\d+(?:,[^;]*)?;)?"
+    r"(?:(?:" + _TOKEN + r"\s+){0,8}?(?:kernel|vmunix)(?:\[\d+\])?(?::|(?:\s+-){3})\s*"
+    r"|" + _ISO_TS + r"\s+)?"
+    r"(?:kern\s*:\s*[a-z]+\s*:\s*)?(?:" + _ISO_TS + r"\s+)?"
+    r"(?:\[[^\]\[]*\]\s*)*"
+)
 
 
 def prefix_is_kernel(prefix: str) -> bool:
@@ -45,14 +62,14 @@ def prefix_is_kernel(prefix: str) -> bool:
 
     Accepts dmesg ``[538441.007373] ``, ``dmesg -T`` ``[Thu Jul  4 11:09:40 2024] ``, syslog
     ``Nov 21 23:11:02 host kernel: ``, journald short, kmsg records ``6,1234,5678,-;``, ``dmesg -x``
-    ``kern  :err   : `` and nothing at all. Rejects prefixes that quote the text or that name a
-    program other than the kernel.
+    ``kern  :err   : ``, indentation and nothing at all. Rejects prefixes that quote the text or that
+    are another program's message around it (a tag other than the kernel's, a log level, a label).
     """
-    if not prefix:
+    if not prefix or prefix.isspace():
         return True
+    head = _HEAD_RE.match(prefix)
+    if head is not None:  # a kmsg record header ("caller=T12" has '=') or grep's "file:" / "file:line:"
+        prefix = prefix[head.end():]
     if not _QUOTING_CHARS.isdisjoint(prefix):
         return False
-    m = _SYSLOG_TAG_RE.match(prefix)
-    if m is not None and m.group("tag") not in _KERNEL_TAGS:
-        return False
-    return True
+    return _KERNEL_PREFIX_RE.fullmatch(prefix) is not None

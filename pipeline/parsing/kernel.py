@@ -60,7 +60,11 @@ class SXidLine:
 class FallenOffBusLine:
     """One line of a "GPU has fallen off the bus" message printed without an Xid.
 
-    ``part``: 0 = the one-line form (``NVRM: GPU 0000:29:00.0: GPU has fallen off the bus.``),
+    ``part``: 0 = a one-line form, in every wording drivers printed: ``NVRM: GPU 0000:29:00.0: GPU has
+    fallen off the bus.`` (``NV_DEV_PRINTF`` in osHandleGpuLost), ``NVRM: GPU at PCI:0000:01:00: GPU has
+    fallen off the bus.`` (older drivers' device prefix), ``NVRM: GPU at 0000:01:00.0 has fallen off the
+    bus.`` (older drivers), the three-line message joined into one line, and any other NVRM line saying a
+    GPU has fallen off the bus (address None when it names none),
     1 = ``NVRM: The NVIDIA GPU 0000:b3:00.0`` (the only line with the address),
     2 = ``NVRM: (PCI ID: 10de:26b5) installed in this system has`` (``confirms`` False when the
     line says "is not supported" instead: then it is the unsupported-GPU message, not a fault),
@@ -103,32 +107,39 @@ _GPC_RE = re.compile(r"\(GPC (?P<gpc>\d+), TPC (?P<tpc>\d+), SM (?P<sm>\d+)\)")
 _XID74_RE = re.compile(r"[Ll]ink (?P<link>\d+)\s*(?:\((?P<regs>0x[0-9A-Fa-f]+(?:\s*,\s*0x[0-9A-Fa-f]+)*)\))?")
 _NVLINK5_RE = re.compile(
     r"(?P<unit>[A-Za-z0-9_/]+)\s+(?P<sev>Fatal|Nonfatal|Non-fatal)\s+(?P<xc>XC\d+)\s+(?P<inst>i\d+)\s+"
-    r"Link\s+(?P<link>-?\d+)\s*(?:\((?P<regs>[^)]*)\))?"
+    r"Link\s+(?P<link>-?\d+)\s*(?:\((?P<regs>[^)]*)\)?)?"  # lines cut short lose the closing parenthesis
 )
 _XID154_RE = re.compile(
-    r"from\s+0x(?P<old>[0-9A-Fa-f]+)(?:\s*\((?P<old_text>[^)]*)\))?"
-    r"\s+to\s+0x(?P<new>[0-9A-Fa-f]+)(?:\s*\((?P<new_text>[^)]*)\))?"
+    r"from\s+(?:0x)?(?P<old>[0-9A-Fa-f]+)\b(?:\s*\((?P<old_text>[^)]*)\))?"
+    r"\s+to\s+(?:0x)?(?P<new>[0-9A-Fa-f]+)\b(?:\s*\((?P<new_text>[^)]*)\))?"
 )
 _UUID_RE = re.compile(
-    r"GPU at PCI:(?P<pci>" + PCI_PATTERN + r"):\s*"
+    r"GPU at (?:PCI:)?(?P<pci>" + PCI_PATTERN + r"):\s*"
     r"(?P<uuid>GPU-[0-9A-Fa-f]{8}(?:-[0-9A-Fa-f]{4}){3}-[0-9A-Fa-f]{12})\s*$"
 )
 _FOB_PART1_RE = re.compile(
-    r"The NVIDIA GPU (?P<pci>" + PCI_PATTERN + r")\s*"
+    r"The NVIDIA GPU (?:at )?(?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\s*"
     r"(?:\(PCI ID: (?P<pci_id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})\))?\s*$"
 )
 _FOB_PART2_RE = re.compile(
     r"(?:\(PCI ID: (?P<pci_id>[0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})\)\s*)?installed in this system (?P<rest>.*)$"
 )
-_FOB_ONE_RE = re.compile(r"GPU (?:at PCI:)?(?P<pci>" + PCI_PATTERN + r"):\s*GPU has fallen off the bus")
+# The GPU's address in any one-line wording: "GPU 0000:29:00.0: GPU has...", "GPU at PCI:0000:01:00: GPU
+# has...", "GPU at 0000:01:00.0 has...", "The NVIDIA GPU 0000:01:00.0 (PCI ID: ...) ... has fallen off".
+_FOB_PCI_RE = re.compile(r"\bGPU\s+(?:at\s+)?(?:PCI:)?(?P<pci>" + PCI_PATTERN + r")(?![0-9A-Fa-f])")
+FALLEN_OFF = "fallen off the bus"
 _SXID_RE = re.compile(
-    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch\d+|lwpu-\w+):\s*)?SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
+    r"(?:(?P<dev>[A-Za-z0-9_.-]*nvswitch[A-Za-z0-9_-]*|lwpu-\w+):\s*)?"
+    r"SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
     r"(?P<code>\d{1,6}),\s*(?P<rest>.*)"
 )
 _SXID_HEADER_RE = re.compile(r"(?P<sev>Fatal|Non-fatal|Nonfatal)\b,?\s*(?:Link\s+(?P<link>\d+)\b)?\s*(?P<msg>.*)")
 _SEGFAULT_RE = re.compile(
     r"(?:(?P<proc>[^\s\[\]]+)\[(?P<pid>\d+)\]:\s+)?segfault at (?P<addr>[0-9A-Fa-f]+)\b.*?\bin (?P<lib>libnccl[^\s\[]*)"
 )
+
+
+_PCI_ID_RE = re.compile(r"\(PCI ID: ([0-9A-Fa-f]{4}:[0-9A-Fa-f]{4})\)")
 
 
 def _int_or_none(text: str | None) -> int | None:
@@ -212,18 +223,25 @@ def _decode_code_specific(event: XidLine) -> None:
 
 
 def parse_nvrm(rest: str) -> KernelLine | None:
-    """Parse the text after ``NVRM: ``: Xid, UUID mapping or a fallen-off-the-bus line."""
+    """Parse the text after ``NVRM: ``: Xid, UUID mapping or a fallen-off-the-bus line.
+
+    "Fallen off the bus" in any wording the driver has printed (see :class:`FallenOffBusLine`); the
+    three-line message's last line on its own is part 3, every other line saying it is one fault.
+    """
     if rest.startswith("Xid"):
         return parse_xid(rest)
-    if rest.startswith("GPU "):
-        if "fallen off the bus" in rest:
-            m = _FOB_ONE_RE.match(rest)
-            return FallenOffBusLine(part=0, pci=normalize_pci(m.group("pci"))) if m else None
-        if rest.startswith("GPU at PCI:"):
-            um = _UUID_RE.match(rest)
-            if um is not None:
-                pci = normalize_pci(um.group("pci"))
-                return GpuUuidLine(pci=pci, uuid=um.group("uuid").lower().replace("gpu-", "GPU-")) if pci else None
+    if FALLEN_OFF in rest:
+        if rest.startswith(FALLEN_OFF):
+            return FallenOffBusLine(part=3)
+        m = _FOB_PCI_RE.search(rest)
+        pci = normalize_pci(m.group("pci")) if m else None
+        id_match = _PCI_ID_RE.search(rest)
+        return FallenOffBusLine(part=0, pci=pci, pci_id=_lower(id_match.group(1)) if id_match else None)
+    if rest.startswith("GPU at "):  # "GPU at PCI:0000:01:00: GPU-<uuid>" (older drivers omit "PCI:")
+        um = _UUID_RE.match(rest)
+        if um is not None:
+            pci = normalize_pci(um.group("pci"))
+            return GpuUuidLine(pci=pci, uuid=um.group("uuid").lower().replace("gpu-", "GPU-")) if pci else None
         return None
     if rest.startswith("The NVIDIA GPU "):
         m = _FOB_PART1_RE.match(rest)
@@ -236,8 +254,6 @@ def parse_nvrm(rest: str) -> KernelLine | None:
             return None
         confirms = m.group("rest").strip() == "has"
         return FallenOffBusLine(part=2, pci_id=_lower(m.group("pci_id")), confirms=confirms)
-    if rest.startswith("fallen off the bus"):
-        return FallenOffBusLine(part=3)
     return None
 
 

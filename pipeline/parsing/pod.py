@@ -7,7 +7,9 @@ fails every rank of a distributed job reports errors. Each signal is therefore t
 - ``hardware``: the CUDA runtime says the hardware failed (uncorrectable ECC / NVLink error);
 - ``application``: the job's own bug or a crash it caused (illegal address, device-side assert, ...);
 - ``sympathetic``: collective-communication failures every rank reports when a peer dies (NCCL
-  watchdog timeouts, remote process exited). Never act on these alone.
+  watchdog timeouts, remote process exited, NET/IB completion errors with a status, socket transport
+  "Connection reset by peer"). Never act on these alone: the aggregator attaches them to kernel
+  evidence on the same node (corroboration), exactly like the watchdog timeouts.
 
 The patterns cover the CUDA runtime's error strings (``cudaGetErrorString``), the driver API's
 enum names (``CUDA_ERROR_*``) and runtime enum names (``cudaError*``), as PyTorch, JAX and NCCL print them.
@@ -37,6 +39,10 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
      r"uncorrectable ECC error encountered|CUDA_ERROR_ECC_UNCORRECTABLE|cudaErrorECCUncorrectable"),
     ("cuda_nvlink_uncorrectable", SignalGrade.HARDWARE,
      r"uncorrectable NVLink error detected|CUDA_ERROR_NVLINK_UNCORRECTABLE|cudaErrorNvlinkUncorrectable"),
+    # NVML's NVML_ERROR_GPU_IS_LOST text and nvidia-smi's "GPU is lost" as a container prints them.
+    ("nvml_gpu_lost", SignalGrade.HARDWARE,
+     r"GPU has fallen off the bus or has otherwise become inaccessible|NVML_ERROR_GPU_IS_LOST"
+     r"|NVMLError_GpuIsLost|GPU is lost\.\s+Reboot the system"),
     ("cuda_illegal_address", SignalGrade.APPLICATION,
      r"an illegal memory access was encountered|CUDA_ERROR_ILLEGAL_ADDRESS|cudaErrorIllegalAddress"),
     ("cuda_launch_failure", SignalGrade.APPLICATION,
@@ -46,16 +52,35 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
      r"|\bmisaligned address\b"),
     ("cuda_device_assert", SignalGrade.APPLICATION,
      r"device-side assert triggered|CUDA_ERROR_ASSERT\b|cudaErrorAssert\b"),
+    ("cuda_illegal_instruction", SignalGrade.APPLICATION,
+     r"an illegal instruction was encountered|CUDA_ERROR_ILLEGAL_INSTRUCTION|cudaErrorIllegalInstruction"),
+    ("cuda_launch_timeout", SignalGrade.APPLICATION,
+     r"the launch timed out and was terminated|CUDA_ERROR_LAUNCH_TIMEOUT|cudaErrorLaunchTimeout"),
     ("cuda_invalid_device_ordinal", SignalGrade.APPLICATION,
      r"invalid device ordinal|CUDA_ERROR_INVALID_DEVICE\b|cudaErrorInvalidDevice\b"),
     ("nccl_watchdog_timeout", SignalGrade.SYMPATHETIC,
      r"Watchdog caught collective operation timeout"),
+    # PyTorch's NCCL process group when a collective hangs or a peer died: the communicator is aborted,
+    # the heartbeat monitor fires, "Some NCCL operations have failed or timed out".
+    ("nccl_communicator_aborted", SignalGrade.SYMPATHETIC,
+     r"NCCL communicator was aborted|Some NCCL operations have failed or timed out|Heartbeat monitor timed out"),
     ("nccl_remote_error", SignalGrade.SYMPATHETIC,
      r"remote process exited or there was a network error"),
     ("nccl_unhandled_system_error", SignalGrade.SYMPATHETIC,
      r"NCCL error[^\n]*unhandled system error|ncclSystemError"),
     ("nccl_unhandled_cuda_error", SignalGrade.SYMPATHETIC,
      r"unhandled cuda error|ncclUnhandledCudaError"),
+    # NCCL's network transports when a peer's node dies: IB/RoCE work completions with an error status
+    # ("NET/IB : Got completion from peer 10.0.0.2<41234> with status=12 opcode=0 ..." in NCCL >= 2.19,
+    # "NET/IB : Got completion with error 12, opcode 0, len 0, vendor err 129" before), async port events,
+    # AWS OFI completion errors, and the socket transport's recv failing on a reset or closed connection.
+    ("nccl_net_ib_error", SignalGrade.SYMPATHETIC,
+     r"NET/IB\s*:\s*Got (?:completion\b[^\n]*?with (?:error|status)|async (?:error )?event)"),
+    ("nccl_net_ofi_error", SignalGrade.SYMPATHETIC,
+     r"NET/OFI\b[^\n]*?(?:error|failed)"),
+    ("nccl_net_socket_error", SignalGrade.SYMPATHETIC,
+     r"(?:NET/|[Nn][Cc][Cc][Ll]|socketProgress)[^\n]*?"
+     r"(?:Connection reset by peer|Connection closed by (?:remote )?peer|Broken pipe)"),
     ("nccl_error", SignalGrade.SYMPATHETIC,
      r"NCCL error\b|ncclInternalError|ncclRemoteError"),
 )
@@ -72,7 +97,17 @@ POD_ANCHORS: tuple[str, ...] = (
     "misaligned",
     "ordinal",
     "Watchdog",
+    "NCCL",
+    "Heartbeat monitor",
+    "timed out",
     "remote process",
+    "NET/",
+    "fallen off the bus",
+    "GPU is lost",
+    "GpuIsLost",
+    "reset by peer",
+    "closed by",
+    "Broken pipe",
 )
 
 

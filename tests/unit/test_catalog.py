@@ -46,10 +46,14 @@ def test_sticky_codes(catalog: Catalog) -> None:
     assert not catalog.xid(43).sticky
 
 
-def test_unknown_codes_are_conservative(catalog: Catalog) -> None:
+def test_unknown_codes_alert_without_quarantine(catalog: Catalog) -> None:
     unknown = catalog.xid(4242)
-    assert (unknown.action, unknown.known) == (Action.CONTACT_SUPPORT, False)
-    assert catalog.sxid(99999, printed_fatal=False).action is Action.CONTACT_SUPPORT
+    assert (unknown.action, unknown.known, unknown.quarantine) == (Action.ALERT, False, False)
+    # SXid codes outside the Fabric Manager tables: the printed severity decides.
+    assert catalog.sxid(99999, printed_fatal=False).action is Action.IGNORE
+    assert catalog.sxid(99999, printed_fatal=True).action is Action.RESET_GPU
+    assert catalog.sxid(99999).action is Action.ALERT
+    # An unknown Xid 154 recovery action: the driver asks for a recovery we cannot name.
     assert catalog.recovery_action(42).action is Action.CONTACT_SUPPORT
 
 
