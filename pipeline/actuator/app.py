@@ -115,7 +115,7 @@ class Actuator:
         """Tell the decision API's shared pending-plans ledger that this request's plan is over."""
         from pipeline.actuator.api import ApiSettings, ConfigMapPlanLedger
 
-        await ConfigMapPlanLedger.from_settings(self.kube.api_client, ApiSettings()).release(request_id)
+        await ConfigMapPlanLedger.from_settings(self.kube, ApiSettings()).release(request_id)
 
     async def _on_trip(self, admission: Admission, node: str) -> None:
         """Audit the trip and raise a Warning Event on the breaker ConfigMap."""

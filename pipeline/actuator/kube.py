@@ -256,3 +256,11 @@ class Kube:
             self.custom.list_cluster_custom_object, group, version, plural, label_selector=label_selector
         )
         return page.get("items") or []
+
+    # -- decision API: node preconditions (the pending-plans ledger uses the ConfigMap calls above) -------
+    async def node_matches(self, name: str, label_selector: str) -> bool:
+        """Whether node ``name`` matches ``label_selector``, evaluated by the API server (full syntax)."""
+        page = await self._call(
+            self.core.list_node, field_selector=f"metadata.name={name}", label_selector=label_selector
+        )
+        return bool(page.get("items"))
