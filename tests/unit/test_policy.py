@@ -88,6 +88,19 @@ def test_node_selector_any_all(operator: str, labels: dict[str, str], expected: 
             "  - {priority: 1, nodeSelector: {operator: some}, actions: [{name: cordon}]}\n",
             "spec.rules[0].nodeSelector.operator",
         ),
+        # Hook Job templates are the operator's, never a policy's.
+        ("  - {actions: [{name: reboot, jobTemplate: {spec: {}}}]}\n", "spec.rules[0].actions[0].jobTemplate"),
+        ("  - {actions: [{name: resetGpu, jobTemplate: {}}]}\n", "spec.rules[0].actions[0].jobTemplate"),
+        # Forced deletion only where the policy names the namespaces (RBAC grants delete only there).
+        ("  - {actions: [{name: drain, forceAfter: 60}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        ("  - {actions: [{name: drain, forceNamespaces: [a]}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        (
+            "  - {actions: [{name: drain, forceAfter: 1, forceNamespaces: [Not_A_NS]}]}\n",
+            "spec.rules[0].actions[0].forceNamespaces",
+        ),
+        ("  - {actions: [{name: cordon, forceNamespaces: [a]}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        ("  - {actions: [{name: taint, key: 'bad key!'}]}\n", "spec.rules[0].actions[0].key"),
+        ("  - {actions: [{name: quarantine, key: '/x'}]}\n", "spec.rules[0].actions[0].key"),
     ],
 )
 def test_invalid_policy_is_rejected_naming_the_field(rules: str, field: str) -> None:
@@ -135,3 +148,13 @@ def test_kubectl_list_wrapper_is_unpacked() -> None:
         " spec: {rules: [{priority: 2, actions: [{name: cordon}]}]}}\n"
     )
     assert load_yaml_text(text).rules[0].name == "a[0]"
+
+
+def test_forced_deletion_with_its_namespaces_and_valid_taint_keys_load() -> None:
+    text = rescue(
+        "  - {name: d, actions: [{name: drain, forceAfter: 30, forceNamespaces: [batch, ml-train]},"
+        " {name: taint, key: example.com/gpu-fault}, {name: quarantine, key: gpu_fault.v2}]}\n"
+    )
+    rule = load_yaml_text(text).rules[0]
+    assert rule.actions[0].force_namespaces == ("batch", "ml-train")
+    assert rule.actions[1].key == "example.com/gpu-fault"
