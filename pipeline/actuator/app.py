@@ -159,6 +159,7 @@ class Actuator:
         await ensure_namespace(self.kube, self.settings.namespace)
         if not self._given_policies:
             await self.policies.refresh()
+            self.policies.start_watching()  # policy edits are in force within moments, not at a poll
         await self.auditor.start()
         if self.notifier is not None and hasattr(self.notifier, "start"):
             await self.notifier.start()
@@ -170,6 +171,7 @@ class Actuator:
         await self.consumer.run()
 
     async def stop(self) -> None:
+        await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
             await self.consumer.stop()
         await self.auditor.stop()
