@@ -137,3 +137,146 @@ async def test_actuator_works_with_shipped_rbac_and_nothing_more(env: Env, kubec
         assert decide and decide[0].outcome == Outcome.APPLIED
     finally:
         await delete_cluster_rbac(env.kube, cluster_name)
+
+
+# -- every role, asked with SubjectAccessReviews: what it must do is allowed, everything else denied ----------
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "xidflow"
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+async def can(kube: Kube, namespace: str, sa: str, verb: str, resource: str, *, group: str = "",
+              ns: str | None = None, name: str | None = None, subresource: str | None = None) -> bool:
+    attributes: dict[str, Any] = {"verb": verb, "resource": resource, "group": group}
+    for key, value in (("namespace", ns), ("name", name), ("subresource", subresource)):
+        if value is not None:
+            attributes[key] = value
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": f"system:serviceaccount:{namespace}:{sa}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
+            "resourceAttributes": attributes,
+        },
+    }
+    answer = await kube._call(client.AuthorizationV1Api(kube.api_client).create_subject_access_review, review)
+    return bool(answer["status"].get("allowed"))
+
+
+def actuator_must(home: str, force: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """What the actuator needs (from the effects, the policy watch, the breaker, drains, plans and hooks)."""
+    must = [
+        (verb, "nodes", {}) for verb in ("get", "list", "watch", "patch", "update")
+    ] + [
+        ("patch", "nodes", {"subresource": "status"}),
+        ("get", "pods", {"ns": "kube-system"}),
+        ("list", "pods", {}),
+        ("create", "pods", {"ns": "kube-system", "subresource": "eviction"}),
+        ("create", "pods", {"ns": "default", "subresource": "eviction"}),
+        ("create", "events", {"ns": "default"}),
+        ("create", "events", {"ns": home}),
+        ("list", "rescuepolicies", {"group": "xidflow.dev"}),
+        ("watch", "warmstandbypolicies", {"group": "xidflow.dev"}),
+        ("patch", "rescuepolicies", {"group": "xidflow.dev", "subresource": "status", "name": "p"}),
+        ("patch", "warmstandbypolicies", {"group": "xidflow.dev", "subresource": "status", "name": "p"}),
+        ("get", "customresourcedefinitions", {"group": "apiextensions.k8s.io", "name": "rescuepolicies.xidflow.dev"}),
+        ("create", "configmaps", {"ns": home}),
+        ("create", "jobs", {"group": "batch", "ns": home}),
+        ("get", "jobs", {"group": "batch", "ns": home, "name": "xidflow-reboot-x"}),
+    ]
+    for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-rescue-plans"):
+        must += [(verb, "configmaps", {"ns": home, "name": configmap}) for verb in ("get", "update")]
+    must += [("delete", "pods", {"ns": ns, "name": "p"}) for ns in force]
+    return must
+
+
+def actuator_must_not(home: str) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        ("delete", "pods", {"ns": "kube-system", "name": "p"}),
+        ("delete", "pods", {"ns": "default", "name": "p"}),
+        ("delete", "pods", {"ns": home, "name": "p"}),
+        ("deletecollection", "pods", {"ns": "default"}),
+        ("create", "pods", {"ns": home}),
+        ("create", "pods", {"ns": "default", "subresource": "exec", "name": "p"}),
+        ("get", "secrets", {"ns": home, "name": "xidflow-api-tokens"}),
+        ("list", "secrets", {}),
+        ("create", "serviceaccounts", {"ns": home, "subresource": "token", "name": "xidflow-node-ops"}),
+        ("delete", "nodes", {"name": "n"}),
+        ("get", "configmaps", {"ns": home, "name": "something-else"}),
+        ("update", "configmaps", {"ns": "kube-system", "name": "xidflow-breaker"}),
+        ("delete", "configmaps", {"ns": home, "name": "xidflow-breaker"}),
+        ("create", "jobs", {"group": "batch", "ns": "kube-system"}),
+        ("delete", "jobs", {"group": "batch", "ns": home, "name": "j"}),
+        ("create", "daemonsets", {"group": "apps", "ns": home}),
+        ("update", "rescuepolicies", {"group": "xidflow.dev", "name": "p"}),
+        ("delete", "rescuepolicies", {"group": "xidflow.dev", "name": "p"}),
+        ("get", "customresourcedefinitions", {"group": "apiextensions.k8s.io", "name": "other.example.com"}),
+        ("create", "rolebindings", {"group": "rbac.authorization.k8s.io", "ns": home}),
+        ("escalate", "clusterroles", {"group": "rbac.authorization.k8s.io"}),
+        ("impersonate", "serviceaccounts", {"ns": home}),
+        ("delete", "events", {"ns": "default", "name": "e"}),
+    ]
+
+
+HOOK_MUST_NOT = [
+    ("get", "nodes", {}),
+    ("list", "pods", {}),
+    ("get", "secrets", {"ns": "kube-system", "name": "s"}),
+    ("get", "configmaps", {"ns": "default", "name": "c"}),
+    ("create", "events", {"ns": "default"}),
+    ("create", "pods", {"ns": "default", "subresource": "eviction"}),
+]
+
+
+async def check_roles(kube: Kube, home: str, actuator_sa: str, hook_sa: str, force: list[str], other: str) -> None:
+    failures = []
+    for verb, resource, kw in actuator_must(home, force):
+        if not await can(kube, home, actuator_sa, verb, resource, **kw):
+            failures.append(f"actuator denied {verb} {resource} {kw}")
+    for verb, resource, kw in actuator_must_not(home) + [("delete", "pods", {"ns": other, "name": "p"})]:
+        if await can(kube, home, actuator_sa, verb, resource, **kw):
+            failures.append(f"actuator allowed {verb} {resource} {kw}")
+    for verb, resource, kw in HOOK_MUST_NOT:
+        if await can(kube, home, hook_sa, verb, resource, **kw):
+            failures.append(f"hook Jobs allowed {verb} {resource} {kw}")
+    assert not failures, "\n".join(failures)
+
+
+async def test_every_chart_role_allows_what_it_must_and_nothing_else(env: Env) -> None:
+    from pipeline.localinfra.helm import helm_template
+
+    home, force, other = env.unique("rel-ns"), env.unique("batch"), env.unique("other")
+    release = env.unique("r")[:20].rstrip("-")
+    for ns in (home, force, other):
+        await env.kube._call(env.kube.core.create_namespace, {"metadata": {"name": ns}})
+    text = helm_template(CHART, release=release, namespace=home, values_files=(),
+                         set_values={"actuator.forceDeleteNamespaces[0]": force}, log=lambda _m: None)
+    docs = [d for d in yaml.safe_load_all(text) if d and d["kind"] in RBAC_KINDS]
+    cluster_names = [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"]
+    try:
+        await apply_docs(env.kube, docs)
+        accounts = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in docs if d["kind"] == "ServiceAccount"}
+        actuator_sa, hook_sa = accounts["actuator"], accounts["ops"]
+        assert hook_sa["automountServiceAccountToken"] is False
+        await check_roles(env.kube, home, actuator_sa["metadata"]["name"], hook_sa["metadata"]["name"], [force], other)
+    finally:
+        for name in cluster_names:
+            await delete_cluster_rbac(env.kube, name)
+        for ns in (home, force, other):
+            await env.kube._call(env.kube.core.delete_namespace, ns)
+
+
+async def test_every_standalone_role_allows_what_it_must_and_nothing_else(env: Env) -> None:
+    cluster_name = env.unique("xidflow-actuator")
+    home, other = env.unique("home"), env.unique("other")
+    docs = shipped_rbac(home, cluster_name)
+    await env.kube._call(env.kube.core.create_namespace, {"metadata": {"name": other}})
+    try:
+        await apply_docs(env.kube, docs)
+        names = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        assert names == {"xidflow-actuator", "xidflow-node-ops"}
+        await check_roles(env.kube, home, "xidflow-actuator", "xidflow-node-ops", [], other)
+    finally:
+        await delete_cluster_rbac(env.kube, cluster_name)
+        for ns in (home, other):
+            await env.kube._call(env.kube.core.delete_namespace, ns)
