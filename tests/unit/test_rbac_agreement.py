@@ -64,7 +64,19 @@ def test_both_have_a_hook_service_account_without_token_or_bindings() -> None:
 
 def test_the_chart_installs_the_shipped_admission_policy() -> None:
     shipped = [d for d in yaml.safe_load_all(ADMISSION.read_text()) if d]
-    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")]
+    rendered = [d for d in render() if d["kind"].startswith("ValidatingAdmissionPolicy")
+                and d["metadata"]["name"] == "rescuepolicies.xidflow.dev"]
     assert rendered == shipped
     assert (CHART / "files" / ADMISSION.name).read_bytes() == ADMISSION.read_bytes()
-    assert not [d for d in render(**{"policies.admissionPolicy": False}) if d["kind"].startswith("Validating")]
+    off = render(**{"policies.admissionPolicy": False})
+    assert not [d for d in off if d["metadata"]["name"] == "rescuepolicies.xidflow.dev"]
+
+
+def test_the_chart_renders_the_shipped_hook_jobs_admission_policy() -> None:
+    text = helm_template(CHART, release="xidflow", namespace="xidflow-system", values_files=(), set_values={},
+                         log=lambda _m: None)
+    rendered = [d for d in yaml.safe_load_all(text) if d and d["metadata"]["name"].endswith("-hook-jobs")]
+    for doc in rendered:
+        doc["metadata"].pop("labels")
+    shipped = [d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "hook-jobs-admission.yaml").read_text()) if d]
+    assert rendered == shipped
