@@ -78,9 +78,10 @@ def actuator(
         raise click.ClickException(str(exc)) from None
     if serve_api is None:
         serve_api = bool(api_settings.tokens or api_settings.token_file)
+    tokens = None
     if serve_api:
         try:
-            check_tokens(api_settings)  # an unreadable token file stops us here, before anything connects
+            tokens = check_tokens(api_settings)  # an unreadable token file stops us here, before anything connects
         except ApiStartError as exc:
             raise click.ClickException(str(exc)) from None
 
@@ -95,7 +96,9 @@ def actuator(
         if serve_api:
             try:
                 # Listening before consuming: a port that cannot be bound ends the command, not the API alone.
-                running = await start_api(api_settings, replica.kube, KafkaSettings().bootstrap_servers)
+                running = await start_api(
+                    api_settings, replica.kube, KafkaSettings().bootstrap_servers, tokens=tokens
+                )
             except BaseException:
                 replica.kube.close()
                 raise

@@ -265,10 +265,17 @@ class RunningApi:
 
 
 async def start_api(
-    settings: ApiSettings, kube: Kube, bootstrap: str | None = None, topics: TopicNames | None = None
+    settings: ApiSettings,
+    kube: Kube,
+    bootstrap: str | None = None,
+    topics: TopicNames | None = None,
+    tokens: TokenStore | None = None,
 ) -> RunningApi:
-    """Serve the decision API; returns once it listens. :class:`ApiStartError` when it cannot."""
-    tokens = check_tokens(settings)
+    """Serve the decision API; returns once it listens. :class:`ApiStartError` when it cannot.
+
+    ``tokens``: the store :func:`check_tokens` returned, when the caller checked them already.
+    """
+    tokens = tokens or check_tokens(settings)
     producer = make_producer(bootstrap)
     try:
         await producer.start()
