@@ -158,3 +158,43 @@ def test_forced_deletion_with_its_namespaces_and_valid_taint_keys_load() -> None
     rule = load_yaml_text(text).rules[0]
     assert rule.actions[0].force_namespaces == ("batch", "ml-train")
     assert rule.actions[1].key == "example.com/gpu-fault"
+
+
+# -- the store's status reporting (pure parts) --------------------------------------------------------
+def _doc(generation: int, actions: list[dict[str, object]], status: dict[str, object] | None = None) -> dict:
+    doc: dict = {
+        "apiVersion": "xidflow.dev/v1alpha1",
+        "kind": "RescuePolicy",
+        "metadata": {"name": "p", "generation": generation},
+        "spec": {"rules": [{"name": "r", "actions": actions}]},
+    }
+    if status is not None:
+        doc["status"] = status
+    return doc
+
+
+def test_status_of_a_refused_generation_names_the_version_in_force() -> None:
+    from pipeline.actuator.policystore import Tracked, desired_status, status_matches, version_in_force_from_status
+
+    good, bad = _doc(1, [{"name": "event"}]), _doc(2, [{"name": "drain", "hook": "job"}])
+    tracked = Tracked(doc=bad, valid=good, error="RescuePolicy/p spec.rules[0].actions[0].hook: not valid")
+    status = desired_status(tracked)
+    assert status["observedGeneration"] == 2 and status["inForceGeneration"] == 1
+    condition = status["conditions"][0]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("Accepted", "False", "InvalidPolicy")
+    assert condition["message"].endswith("generation 1 stays in force")
+    assert status_matches({**status, "conditions": [{**condition, "lastTransitionTime": "t"}]}, status)
+    assert not status_matches({**status, "observedGeneration": 1}, status)
+    # A replica started later finds the version in force in the status and keeps it.
+    recorded = version_in_force_from_status({**bad, "status": status})
+    assert recorded is not None and recorded["spec"] == good["spec"] and recorded["metadata"]["generation"] == 1
+    assert version_in_force_from_status({**bad, "status": {"inForceSpec": "{not json", "inForceGeneration": 1}}) is None
+
+
+def test_status_of_an_accepted_generation() -> None:
+    from pipeline.actuator.policystore import Tracked, desired_status
+
+    doc = _doc(3, [{"name": "cordon"}])
+    status = desired_status(Tracked(doc=doc, valid=doc))
+    assert status["inForceGeneration"] == 3 and status["conditions"][0]["status"] == "True"
+    assert desired_status(Tracked(doc=doc, error="bad"))["conditions"][0]["message"].endswith("not in force")
