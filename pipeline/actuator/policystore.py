@@ -131,6 +131,7 @@ class PolicyStore:
         self._tracked: dict[Key, Tracked] = {}
         self._versions: dict[str, str | None] = {}
         self._watchers: list[asyncio.Task[None]] = []
+        self._watch_wanted = False
         self._status_forbidden_logged = False
         self.changed = asyncio.Event()
         """Set whenever the policies in force may have changed (tests and tools wait on it)."""
@@ -164,6 +165,8 @@ class PolicyStore:
         if time.monotonic() - self._loaded_at >= self.settings.policy_refresh_seconds:
             try:
                 await self.refresh()
+                if self._watch_wanted:
+                    self.start_watching()  # the CRDs were installed since the start (policySource: auto)
             except Exception:  # keep acting on the last good policies
                 log.exception("policy refresh failed; keeping the previous policies")
                 self._loaded_at = time.monotonic()
@@ -291,7 +294,9 @@ class PolicyStore:
         return any(not task.done() for task in self._watchers)
 
     def start_watching(self) -> None:
-        """Follow the CRDs by watch (after :meth:`refresh` chose them); a no-op for file or built-in policies."""
+        """Follow the CRDs by watch (after :meth:`refresh` chose them); a no-op for file or built-in policies
+        until a later refresh finds the CRDs installed."""
+        self._watch_wanted = True
         if self.kube is None or self.source != "crd" or self.watching:
             return
         self._watchers = [
@@ -299,6 +304,7 @@ class PolicyStore:
         ]
 
     async def stop_watching(self) -> None:
+        self._watch_wanted = False
         for task in self._watchers:
             task.cancel()
         for task in self._watchers:
