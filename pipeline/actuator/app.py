@@ -115,7 +115,7 @@ class Actuator:
         """Tell the decision API's shared pending-plans ledger that this request's plan is over."""
         from pipeline.actuator.api import ApiSettings, ConfigMapPlanLedger
 
-        await ConfigMapPlanLedger.from_settings(self.kube.api_client, ApiSettings()).release(request_id)
+        await ConfigMapPlanLedger.from_settings(self.kube, ApiSettings()).release(request_id)
 
     async def _on_trip(self, admission: Admission, node: str) -> None:
         """Audit the trip and raise a Warning Event on the breaker ConfigMap."""
@@ -159,6 +159,7 @@ class Actuator:
         await ensure_namespace(self.kube, self.settings.namespace)
         if not self._given_policies:
             await self.policies.refresh()
+            self.policies.start_watching()  # policy edits are in force within moments, not at a poll
         await self.auditor.start()
         if self.notifier is not None and hasattr(self.notifier, "start"):
             await self.notifier.start()
@@ -170,6 +171,7 @@ class Actuator:
         await self.consumer.run()
 
     async def stop(self) -> None:
+        await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
             await self.consumer.stop()
         await self.auditor.stop()

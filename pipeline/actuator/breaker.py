@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
@@ -19,6 +19,7 @@ import orjson
 
 from pipeline import metrics
 from pipeline.actuator.kube import AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.ownership import CORDON, Ledger, taint_effect_key
 
 T = TypeVar("T")
 STATE_KEY = "state"
@@ -77,30 +78,53 @@ class Admission:
     tripped_now: bool = False
 
 
-def decide_admissions(
-    state: dict[str, Any], nodes: list[str], fleet_size: int, max_share: float, window: float, now: float
-) -> dict[str, Admission]:
-    """Admit nodes into quarantine while the share quarantined in the window stays <= max_share.
+def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
+    """Whether xidflow's own cordon or taint is on this Node now (its ledger owns it and it is in place).
 
-    A node already admitted in the window is admitted again for free (the cordon, the taint and a
-    redelivery count once). The first node that would cross the threshold trips the breaker; only
-    a person resets it.
+    A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node.
+    """
+    meta, spec = node.get("metadata") or {}, node.get("spec") or {}
+    ledger = Ledger.from_annotations(meta.get("annotations"))
+    if spec.get("unschedulable") and ledger.owners(CORDON):
+        return True
+    present = {taint_effect_key(str(t.get("key")), str(t.get("effect"))) for t in spec.get("taints") or []}
+    return any(ledger.owners(effect) for effect in present)
+
+
+def decide_admissions(
+    state: dict[str, Any],
+    nodes: list[str],
+    fleet_size: int,
+    max_share: float,
+    window: float,
+    now: float,
+    quarantined_now: frozenset[str] = frozenset(),
+) -> dict[str, Admission]:
+    """Admit nodes into quarantine while the share quarantined stays <= max_share.
+
+    The share counts every GPU node quarantined now (``quarantined_now``, read from the cluster) and
+    every node admitted within the window (quarantines the cluster read may not show yet). A node
+    already counted is admitted again for free (the cordon, the taint and a redelivery count once).
+    The first node that would cross the threshold trips the breaker; only a person resets it, and
+    a reset forgets the trip, not the nodes that are still quarantined.
     """
     admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
     state["admitted"] = admitted
     fleet = max(fleet_size, 1)
     out: dict[str, Admission] = {}
     for node in nodes:
+        counted = admitted.keys() | quarantined_now
         if state.get("tripped"):
             out[node] = Admission(False, f"breaker open: {state.get('reason', '')}")
-        elif node in admitted:
+        elif node in counted:
             out[node] = Admission(True)
-        elif (len(admitted) + 1) / fleet > max_share:
+        elif (len(counted) + 1) / fleet > max_share:
             state["tripped"] = True
             state["tripped_at"] = now
             state["reason"] = (
-                f"quarantining {node} would put {len(admitted) + 1} of {fleet} GPU nodes "
-                f"({(len(admitted) + 1) / fleet:.0%}) in quarantine within {window:g}s; limit {max_share:.0%}"
+                f"quarantining {node} would put {len(counted) + 1} of {fleet} GPU nodes "
+                f"({(len(counted) + 1) / fleet:.0%}) in quarantine ({len(quarantined_now)} quarantined now, "
+                f"{len(admitted)} admitted within {window:g}s); limit {max_share:.0%}"
             )
             state["tripped_by"] = node
             out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
@@ -128,16 +152,21 @@ class Breaker:
         self.fleet_selector, self.max_share, self.window = fleet_selector, max_share, window
         self.fleet_cache_seconds = fleet_cache_seconds
         self.on_trip = on_trip
-        self._fleet: tuple[float, int] | None = None
+        self._fleet: tuple[float, int, frozenset[str]] | None = None
         self._pending: list[tuple[str, asyncio.Future[Admission]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
-    async def fleet_size(self) -> int:
+    async def fleet_snapshot(self, fresh: bool = False) -> tuple[int, frozenset[str]]:
+        """GPU nodes in the fleet, and those xidflow has quarantined now (cached ``fleet_cache_seconds``)."""
         now = time.monotonic()
-        if self._fleet is None or now - self._fleet[0] > self.fleet_cache_seconds:
+        if fresh or self._fleet is None or now - self._fleet[0] > self.fleet_cache_seconds:
             nodes = await self.kube.list_nodes(self.fleet_selector)
-            self._fleet = (now, len(nodes))
-        return self._fleet[1]
+            quarantined = frozenset(n["metadata"]["name"] for n in nodes if quarantined_by_xidflow(n))
+            self._fleet = (now, len(nodes), quarantined)
+        return self._fleet[1], self._fleet[2]
+
+    async def fleet_size(self) -> int:
+        return (await self.fleet_snapshot())[0]
 
     async def admit(self, node: str) -> Admission:
         fut: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
@@ -151,13 +180,13 @@ class Breaker:
             batch, self._pending = self._pending, []
             nodes = list(dict.fromkeys(n for n, _ in batch))
             try:
-                fleet = await self.fleet_size()
+                fleet, quarantined = await self.fleet_snapshot()
                 decisions = await update_json_configmap(
                     self.kube,
                     self.namespace,
                     self.name,
-                    lambda s, nodes=nodes, fleet=fleet: decide_admissions(
-                        s, nodes, fleet, self.max_share, self.window, time.time()
+                    lambda s, nodes=nodes, fleet=fleet, quarantined=quarantined: decide_admissions(
+                        s, nodes, fleet, self.max_share, self.window, time.time(), quarantined
                     ),
                 )
             except Exception as exc:  # every waiter must learn of the failure, none may hang
@@ -177,13 +206,16 @@ class Breaker:
         state = await read_json_configmap(self.kube, self.namespace, self.name)
         now = time.time()
         admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= self.window}
+        fleet, quarantined = await self.fleet_snapshot(fresh=True)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)
         return {
             "tripped": bool(state.get("tripped")),
             "reason": state.get("reason", ""),
             "tripped_at": state.get("tripped_at"),
             "quarantined_in_window": len(admitted),
-            "fleet_size": await self.fleet_size(),
+            "quarantined_now": len(quarantined),
+            "counted": len(admitted.keys() | quarantined),
+            "fleet_size": fleet,
             "max_share": self.max_share,
             "window_seconds": self.window,
             "reset_by": state.get("reset_by"),
@@ -191,11 +223,25 @@ class Breaker:
         }
 
     async def reset(self, by: str) -> bool:
-        """Close the breaker and forget the window. True when it was open."""
+        """Close the breaker. True when it was open.
+
+        The nodes quarantined now stay counted: the window restarts with them (read fresh from the
+        cluster, so a replica whose fleet cache is a few seconds old cannot admit past the limit).
+        """
+        _, quarantined = await self.fleet_snapshot(fresh=True)
 
         def mutate(state: dict[str, Any]) -> bool:
             was = bool(state.get("tripped"))
-            state.update({"tripped": False, "reason": "", "admitted": {}, "reset_by": by, "reset_at": time.time()})
+            now = time.time()
+            state.update(
+                {
+                    "tripped": False,
+                    "reason": "",
+                    "admitted": {node: now for node in sorted(quarantined)},
+                    "reset_by": by,
+                    "reset_at": now,
+                }
+            )
             state.pop("tripped_at", None)
             return was
 

@@ -220,7 +220,7 @@ async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.
             if spec.grace_period_cap is not None:
                 grace = min(grace if grace is not None else 30, spec.grace_period_cap)
             try:
-                if force:
+                if force and ns in spec.force_namespaces:  # the policy names where deletion may be forced
                     await kube.delete_pod(ns, name, 0)
                     result.forced.append(f"{ns}/{name}")
                 elif meta.get("deletionTimestamp"):

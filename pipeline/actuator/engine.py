@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.actuator import effects
+from pipeline.actuator import effects, jobtemplates
 from pipeline.actuator.audit import Auditor, default_worker_id, make_record
 from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.effects import NodeChange
@@ -567,6 +567,7 @@ class Engine:
             job = effects.render_job(
                 template, name, self.settings.namespace, plan.node, {"xidflow.dev/flow": plan.flow_key[:63]}
             )
+            job = jobtemplates.enforce(job, self.settings.hook_service_account)
             details["job"] = name
             details["created"] = await effects.create_hook_job(self.kube, job)
         elif hook == "annotation":
@@ -618,6 +619,7 @@ class Engine:
         job = effects.render_job(
             template, name, self.settings.namespace, plan.node, {"xidflow.dev/flow": plan.flow_key[:63]}
         )
+        job = jobtemplates.enforce(job, self.settings.hook_service_account)
         if ctx.incident is not None and ctx.incident.pci:
             for container in job["spec"]["template"]["spec"].get("containers", []):
                 container.setdefault("env", []).append({"name": "XIDFLOW_GPU_PCI", "value": ctx.incident.pci})

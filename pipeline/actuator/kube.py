@@ -10,11 +10,13 @@ forbidden, unavailable).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import contextvars
 import functools
 import heapq
 import itertools
-from collections.abc import Callable
+import threading
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
@@ -256,3 +258,99 @@ class Kube:
             self.custom.list_cluster_custom_object, group, version, plural, label_selector=label_selector
         )
         return page.get("items") or []
+
+    # -- decision API: node preconditions (the pending-plans ledger uses the ConfigMap calls above) -------
+    async def node_matches(self, name: str, label_selector: str) -> bool:
+        """Whether node ``name`` matches ``label_selector``, evaluated by the API server (full syntax)."""
+        page = await self._call(
+            self.core.list_node, field_selector=f"metadata.name={name}", label_selector=label_selector
+        )
+        return bool(page.get("items"))
+
+    # -- policies: list with resourceVersion, watch, status --------------------------------------------
+    async def list_cluster_objects_page(
+        self, group: str, version: str, plural: str, label_selector: str = ""
+    ) -> dict[str, Any]:
+        """The whole list object (``items`` and ``metadata.resourceVersion``, where a watch starts)."""
+        return await self._call(
+            self.custom.list_cluster_custom_object, group, version, plural, label_selector=label_selector
+        )
+
+    async def patch_cluster_object_status(
+        self, group: str, version: str, plural: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of a cluster-scoped custom object's status subresource."""
+        return await self._call(
+            self.custom.patch_cluster_custom_object_status,
+            group,
+            version,
+            plural,
+            name,
+            body,
+            _content_type=MERGE_PATCH,
+        )
+
+    async def watch_cluster_objects(
+        self,
+        group: str,
+        version: str,
+        plural: str,
+        resource_version: str | None,
+        label_selector: str = "",
+        timeout_seconds: int = 300,
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events (``{"type", "object"}``) from ``resource_version`` until the server ends the watch.
+
+        The stream is read on its own thread (not the call pool, which it would hold for minutes);
+        leaving the iteration closes the connection. An ``ERROR`` event (410 Gone) means: list again.
+        """
+        loop = asyncio.get_running_loop()
+        kwargs: dict[str, Any] = {
+            "watch": True,
+            "allow_watch_bookmarks": True,
+            "label_selector": label_selector,
+            "timeout_seconds": timeout_seconds,
+            "_preload_content": False,
+            "_request_timeout": (self.request_timeout[0], timeout_seconds + 30),
+        }
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        opener = functools.partial(self.custom.list_cluster_custom_object, group, version, plural, **kwargs)
+        try:
+            response = await loop.run_in_executor(None, opener)
+        except ApiException as exc:
+            raise _map_error(exc) from None
+        except (urllib3.exceptions.HTTPError, OSError) as exc:
+            raise KubeUnavailable(str(exc)) from None
+        queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
+
+        def hand_over(item: dict[str, Any] | BaseException | None) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody is listening any more
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        def pump() -> None:
+            buffer = b""
+            try:
+                for chunk in response.stream(65536, decode_content=True):
+                    buffer += chunk
+                    while b"\n" in buffer:
+                        line, buffer = buffer.split(b"\n", 1)
+                        if line.strip():
+                            hand_over(orjson.loads(line))
+            except BaseException as exc:  # noqa: BLE001 - handed to the reader, which decides
+                hand_over(exc)
+            finally:
+                hand_over(None)
+
+        threading.Thread(target=pump, name=f"watch-{plural}", daemon=True).start()
+        try:
+            while True:
+                item = await queue.get()
+                if item is None:
+                    return
+                if isinstance(item, BaseException):
+                    raise KubeUnavailable(f"watch of {plural} broke: {type(item).__name__}: {item}")
+                yield item
+        finally:
+            with contextlib.suppress(Exception):
+                response.close()

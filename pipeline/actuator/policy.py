@@ -66,7 +66,14 @@ class ActionSpec(_Model):
     # drain
     grace_period_cap: int | None = Field(default=None, ge=0, alias="gracePeriodCap")
     excluded_namespaces: tuple[str, ...] = Field(default=(), alias="excludedNamespaces")
-    force_after: float | None = Field(default=None, ge=0, alias="forceAfter")
+    force_after: float | None = Field(
+        default=None, ge=0, alias="forceAfter", description="Seconds after which pods still there are deleted"
+    )
+    force_namespaces: tuple[str, ...] = Field(
+        default=(),
+        alias="forceNamespaces",
+        description="The only namespaces where forceAfter may delete pods (RBAC grants delete there only)",
+    )
     # reboot / resetGpu
     hook: RebootHook | None = None
     webhook_url: str | None = Field(default=None, alias="webhookUrl")
@@ -83,6 +90,20 @@ class ActionSpec(_Model):
             raise ValueError(f"{alias}: not valid for action '{self.name}'")
         if self.name == "reboot" and self.hook == "webhook" and not self.webhook_url:
             raise ValueError("webhookUrl: required when hook is 'webhook'")
+        if self.job_template is not None:
+            raise ValueError(
+                "jobTemplate: not allowed; reboot and GPU-reset Jobs use the operator's template "
+                "(XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE / XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE)"
+            )
+        if self.force_after is not None and not self.force_namespaces:
+            raise ValueError("forceNamespaces: required with forceAfter (the namespaces where pods may be deleted)")
+        if self.force_namespaces and self.force_after is None:
+            raise ValueError("forceNamespaces: only meaningful with forceAfter")
+        for namespace in self.force_namespaces:
+            if not _DNS_LABEL.match(namespace):
+                raise ValueError(f"forceNamespaces: {namespace!r} is not a namespace name")
+        if self.key is not None and not is_taint_key(self.key):
+            raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
         return self
 
 
@@ -92,12 +113,25 @@ _ATTRS_BY_ACTION: dict[str, set[str]] = {
     "taint": {"key", "value", "effect"},
     "condition": set(),
     "event": set(),
-    "drain": {"grace_period_cap", "excluded_namespaces", "force_after", "timeout"},
+    "drain": {"grace_period_cap", "excluded_namespaces", "force_after", "force_namespaces", "timeout"},
     "reboot": {"hook", "webhook_url", "job_template", "uncordon_after", "timeout"},
     "resetGpu": {"job_template", "timeout"},
     "enableWarmStandby": set(),
     "unCordon": set(),
 }
+
+
+_DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def is_taint_key(key: str) -> bool:
+    """Whether Kubernetes accepts ``key`` as a taint key: ``[prefix/]name``, a qualified name."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return False
+    return bool(_QUALIFIED_NAME.match(name))
 
 
 class NodeSelector(_Model):

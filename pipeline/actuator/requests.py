@@ -58,8 +58,8 @@ def parse_escalate_time(value: Any) -> datetime:
         text = f"{match['date']}T{match['h']}:{match['m']}:{seconds}{match['frac'] or ''}{offset}"
         try:
             return datetime.fromisoformat(text).astimezone(UTC)
-        except ValueError:
-            pass  # shaped like RFC 3339 but not a real instant (month 13, Feb 30, offset 25:00)
+        except (ValueError, OverflowError):
+            pass  # not a real instant (month 13, Feb 30, offset 25:00), or outside year 1..9999 in UTC
     raise PydanticCustomError(
         "escalate_time", "must be an RFC 3339 date-time with an offset (2024-07-04T11:09:40Z) or Unix seconds"
     )

@@ -78,3 +78,5 @@ class ActuatorSettings(BaseSettings):
     """YAML file of the default privileged reboot Job template. Default empty: built-in template."""
     reset_job_template: str = ""
     """YAML file of the default GPU-reset Job template. Default empty: built-in template."""
+    hook_service_account: str = "xidflow-node-ops"
+    """ServiceAccount (no RBAC, no token) that reboot/GPU-reset Jobs run as. Default ``xidflow-node-ops``."""

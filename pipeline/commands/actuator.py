@@ -1,14 +1,28 @@
-"""``xidflow actuator``: run one actuator replica (a member of the consumer group)."""
+"""``xidflow actuator``: run one actuator replica (a member of the consumer group).
+
+Start-up either serves everything that is configured or exits non-zero with one clear sentence:
+bad settings, an unreadable token file or a port that cannot be bound stop the command before it
+consumes anything. No token or setting value is ever echoed (they may be secrets).
+"""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 
 import click
+from pydantic import ValidationError
 
 from pipeline.logconfig import log_options
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """``field: what is wrong`` per error, without the offending input (it may be a token)."""
+    lines = []
+    for error in exc.errors(include_url=False, include_input=False, include_context=False):
+        field = ".".join(str(part) for part in error["loc"]) or "settings"
+        lines.append(f"  {field}: {error['msg']}")
+    return "\n".join(lines)
 
 
 @click.command("actuator")
@@ -18,7 +32,7 @@ from pipeline.logconfig import log_options
 @click.option("--kubeconfig", envvar="KUBECONFIG", default=None, help="Default: in-cluster service account.")
 @log_options
 @click.option("--api/--no-api", "serve_api", default=None,
-              help="Serve the decision API (XIDFLOW_API_*); default: when API tokens are configured.")
+              help="Serve the decision API (XIDFLOW_API_*); default: when API tokens or a token file are configured.")
 def actuator(
     dry_run: bool | None,
     manual_only: bool | None,
@@ -27,10 +41,11 @@ def actuator(
     serve_api: bool | None,
 ) -> None:
     """Consume incidents and rescue requests and remediate nodes (settings: XIDFLOW_ACTUATOR_*)."""
-    from pydantic import ValidationError
+    from pydantic_settings import SettingsError
 
-    from pipeline.actuator.api import ApiSettings, run_api
+    from pipeline.actuator.api import ApiSettings, ApiStartError, check_tokens, start_api
     from pipeline.actuator.app import Actuator
+    from pipeline.actuator.jobtemplates import JobTemplateError, check_operator_templates
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.catalog import Catalog, CatalogError
@@ -47,17 +62,34 @@ def actuator(
     try:
         settings = ActuatorSettings(**overrides)
         api_settings = ApiSettings()
-        if settings.policy_file:
-            load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
+    except ValidationError as exc:
+        raise click.ClickException(
+            f"invalid settings (XIDFLOW_ACTUATOR_* / XIDFLOW_API_*):\n{describe_validation_error(exc)}"
+        ) from None
+    except SettingsError as exc:
+        # pydantic-settings could not decode a JSON value (e.g. XIDFLOW_API_TOKENS); its message names the field.
+        raise click.ClickException(f"invalid settings: {exc}; expected JSON") from None
+    try:
         Catalog.configured()  # condition types and policy codes follow the operator's catalog overrides
     except CatalogError as exc:
-        raise click.ClickException(f"invalid catalog override: {exc}") from exc
-    except ValidationError as exc:
-        raise click.ClickException(f"invalid settings (XIDFLOW_ACTUATOR_* / XIDFLOW_API_*):\n{exc}") from exc
-    except PolicyError as exc:
-        raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from exc
+        raise click.ClickException(f"invalid catalog override: {exc}") from None
+    if settings.policy_file:
+        try:
+            load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
+        except PolicyError as exc:
+            raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from None
+    try:
+        check_operator_templates(settings)
+    except JobTemplateError as exc:
+        raise click.ClickException(str(exc)) from None
     if serve_api is None:
         serve_api = bool(api_settings.tokens or api_settings.token_file)
+    tokens = None
+    if serve_api:
+        try:
+            tokens = check_tokens(api_settings)  # an unreadable token file stops us here, before anything connects
+        except ApiStartError as exc:
+            raise click.ClickException(str(exc)) from None
     kubeconfig = resolve_kubeconfig(kubeconfig, None)  # no kubeconfig: a sentence, not a traceback
 
     async def main() -> None:
@@ -66,16 +98,25 @@ def actuator(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         serve_metrics()
-        api_task = None
+        replica = Actuator(settings, kubeconfig=kubeconfig)
+        running = None
         if serve_api:
-            api_task = asyncio.create_task(run_api(api_settings, KafkaSettings().bootstrap_servers))
+            try:
+                # Listening before consuming: a port that cannot be bound ends the command, not the API alone.
+                running = await start_api(
+                    api_settings, replica.kube, KafkaSettings().bootstrap_servers, tokens=tokens
+                )
+            except BaseException:
+                replica.kube.close()
+                raise
         try:
-            await with_liveness(Actuator(settings, kubeconfig=kubeconfig).run_forever(stop))
+            await with_liveness(replica.run_forever(stop))
         finally:
-            if api_task is not None:
-                api_task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await api_task
+            if running is not None:
+                await running.stop()
 
     with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
-        asyncio.run(main())
+        try:
+            asyncio.run(main())
+        except ApiStartError as exc:
+            raise click.ClickException(str(exc)) from None

@@ -150,7 +150,8 @@ async def test_pdb_blocked_drain_backs_off_and_fails_then_force_when_allowed(env
         assert ("drain", "failed") in outcomes(await env.audit(), name)
 
         forcing = await env.actuator(
-            policy("[{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 10, forceAfter: 0.5}]"), worker="w2"
+            policy("[{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 10, forceAfter: 0.5, forceNamespaces: ["
+                   + ns + "]}]"), worker="w2"
         )
         await forcing.engine.handle(make_incident(name, "inc-pdb-force"))
         assert await pods_on(env.kube, name) == []

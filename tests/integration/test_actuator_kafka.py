@@ -168,6 +168,8 @@ async def test_breaker_trips_at_threshold_and_only_reset_closes_it(env: Env) -> 
     await act.engine.handle(make_incident(names[3], "inc-b-3"))
     assert not (await env.node(names[3]))["spec"].get("unschedulable")
     assert len(await node_events(env.kube, names[3])) == 1
+    # A person returns names[0] to service; after the reset the breaker counts what is quarantined now.
+    await env.kube.patch_node(names[0], {"spec": {"unschedulable": False, "taints": []}})
     assert await act.breaker.reset(by="tests") is True
     await act.engine.handle(make_incident(names[3], "inc-b-4"))
     assert (await env.node(names[3]))["spec"]["unschedulable"] is True

@@ -3,6 +3,7 @@ it works, and it gets 403 reading Secrets or deleting Nodes (the API server runs
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
@@ -137,3 +138,226 @@ async def test_actuator_works_with_shipped_rbac_and_nothing_more(env: Env, kubec
         assert decide and decide[0].outcome == Outcome.APPLIED
     finally:
         await delete_cluster_rbac(env.kube, cluster_name)
+
+
+# -- every role, asked with SubjectAccessReviews: what it must do is allowed, everything else denied ----------
+CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "xidflow"
+RBAC_KINDS = ("ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Role", "RoleBinding")
+
+
+async def can(kube: Kube, namespace: str, sa: str, verb: str, resource: str, *, group: str = "",
+              ns: str | None = None, name: str | None = None, subresource: str | None = None) -> bool:
+    attributes: dict[str, Any] = {"verb": verb, "resource": resource, "group": group}
+    for key, value in (("namespace", ns), ("name", name), ("subresource", subresource)):
+        if value is not None:
+            attributes[key] = value
+    review = {
+        "apiVersion": "authorization.k8s.io/v1",
+        "kind": "SubjectAccessReview",
+        "spec": {
+            "user": f"system:serviceaccount:{namespace}:{sa}",
+            "groups": ["system:serviceaccounts", f"system:serviceaccounts:{namespace}", "system:authenticated"],
+            "resourceAttributes": attributes,
+        },
+    }
+    answer = await kube._call(client.AuthorizationV1Api(kube.api_client).create_subject_access_review, review)
+    return bool(answer["status"].get("allowed"))
+
+
+def actuator_must(home: str, force: list[str]) -> list[tuple[str, str, dict[str, Any]]]:
+    """What the actuator needs (from the effects, the policy watch, the breaker, drains, plans and hooks)."""
+    must = [
+        (verb, "nodes", {}) for verb in ("get", "list", "watch", "patch", "update")
+    ] + [
+        ("patch", "nodes", {"subresource": "status"}),
+        ("get", "pods", {"ns": "kube-system"}),
+        ("list", "pods", {}),
+        ("create", "pods", {"ns": "kube-system", "subresource": "eviction"}),
+        ("create", "pods", {"ns": "default", "subresource": "eviction"}),
+        ("create", "events", {"ns": "default"}),
+        ("create", "events", {"ns": home}),
+        ("list", "rescuepolicies", {"group": "xidflow.dev"}),
+        ("watch", "warmstandbypolicies", {"group": "xidflow.dev"}),
+        ("patch", "rescuepolicies", {"group": "xidflow.dev", "subresource": "status", "name": "p"}),
+        ("patch", "warmstandbypolicies", {"group": "xidflow.dev", "subresource": "status", "name": "p"}),
+        ("get", "customresourcedefinitions", {"group": "apiextensions.k8s.io", "name": "rescuepolicies.xidflow.dev"}),
+        ("create", "configmaps", {"ns": home}),
+        ("create", "jobs", {"group": "batch", "ns": home}),
+        ("get", "jobs", {"group": "batch", "ns": home, "name": "xidflow-reboot-x"}),
+    ]
+    for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-rescue-plans"):
+        must += [(verb, "configmaps", {"ns": home, "name": configmap}) for verb in ("get", "update")]
+    must += [("delete", "pods", {"ns": ns, "name": "p"}) for ns in force]
+    return must
+
+
+def actuator_must_not(home: str) -> list[tuple[str, str, dict[str, Any]]]:
+    return [
+        ("delete", "pods", {"ns": "kube-system", "name": "p"}),
+        ("delete", "pods", {"ns": "default", "name": "p"}),
+        ("delete", "pods", {"ns": home, "name": "p"}),
+        ("deletecollection", "pods", {"ns": "default"}),
+        ("create", "pods", {"ns": home}),
+        ("create", "pods", {"ns": "default", "subresource": "exec", "name": "p"}),
+        ("get", "secrets", {"ns": home, "name": "xidflow-api-tokens"}),
+        ("list", "secrets", {}),
+        ("create", "serviceaccounts", {"ns": home, "subresource": "token", "name": "xidflow-node-ops"}),
+        ("delete", "nodes", {"name": "n"}),
+        ("get", "configmaps", {"ns": home, "name": "something-else"}),
+        ("update", "configmaps", {"ns": "kube-system", "name": "xidflow-breaker"}),
+        ("delete", "configmaps", {"ns": home, "name": "xidflow-breaker"}),
+        ("create", "jobs", {"group": "batch", "ns": "kube-system"}),
+        ("delete", "jobs", {"group": "batch", "ns": home, "name": "j"}),
+        ("create", "daemonsets", {"group": "apps", "ns": home}),
+        ("update", "rescuepolicies", {"group": "xidflow.dev", "name": "p"}),
+        ("delete", "rescuepolicies", {"group": "xidflow.dev", "name": "p"}),
+        ("get", "customresourcedefinitions", {"group": "apiextensions.k8s.io", "name": "other.example.com"}),
+        ("create", "rolebindings", {"group": "rbac.authorization.k8s.io", "ns": home}),
+        ("escalate", "clusterroles", {"group": "rbac.authorization.k8s.io"}),
+        ("impersonate", "serviceaccounts", {"ns": home}),
+        ("delete", "events", {"ns": "default", "name": "e"}),
+    ]
+
+
+HOOK_MUST_NOT = [
+    ("get", "nodes", {}),
+    ("list", "pods", {}),
+    ("get", "secrets", {"ns": "kube-system", "name": "s"}),
+    ("get", "configmaps", {"ns": "default", "name": "c"}),
+    ("create", "events", {"ns": "default"}),
+    ("create", "pods", {"ns": "default", "subresource": "eviction"}),
+]
+
+
+async def check_roles(kube: Kube, home: str, actuator_sa: str, hook_sa: str, force: list[str], other: str) -> None:
+    failures = []
+    for verb, resource, kw in actuator_must(home, force):
+        if not await can(kube, home, actuator_sa, verb, resource, **kw):
+            failures.append(f"actuator denied {verb} {resource} {kw}")
+    for verb, resource, kw in actuator_must_not(home) + [("delete", "pods", {"ns": other, "name": "p"})]:
+        if await can(kube, home, actuator_sa, verb, resource, **kw):
+            failures.append(f"actuator allowed {verb} {resource} {kw}")
+    for verb, resource, kw in HOOK_MUST_NOT:
+        if await can(kube, home, hook_sa, verb, resource, **kw):
+            failures.append(f"hook Jobs allowed {verb} {resource} {kw}")
+    assert not failures, "\n".join(failures)
+
+
+async def test_every_chart_role_allows_what_it_must_and_nothing_else(env: Env) -> None:
+    from pipeline.localinfra.helm import helm_template
+
+    home, force, other = env.unique("rel-ns"), env.unique("batch"), env.unique("other")
+    release = env.unique("r")[:20].rstrip("-")
+    for ns in (home, force, other):
+        await env.kube._call(env.kube.core.create_namespace, {"metadata": {"name": ns}})
+    text = helm_template(CHART, release=release, namespace=home, values_files=(),
+                         set_values={"actuator.forceDeleteNamespaces[0]": force}, log=lambda _m: None)
+    docs = [d for d in yaml.safe_load_all(text) if d and d["kind"] in RBAC_KINDS]
+    cluster_names = [d["metadata"]["name"] for d in docs if d["kind"] == "ClusterRole"]
+    try:
+        await apply_docs(env.kube, docs)
+        accounts = {d["metadata"]["name"].rsplit("-", 1)[-1]: d for d in docs if d["kind"] == "ServiceAccount"}
+        actuator_sa, hook_sa = accounts["actuator"], accounts["ops"]
+        assert hook_sa["automountServiceAccountToken"] is False
+        await check_roles(env.kube, home, actuator_sa["metadata"]["name"], hook_sa["metadata"]["name"], [force], other)
+    finally:
+        for name in cluster_names:
+            await delete_cluster_rbac(env.kube, name)
+        for ns in (home, force, other):
+            await env.kube._call(env.kube.core.delete_namespace, ns)
+
+
+async def test_every_standalone_role_allows_what_it_must_and_nothing_else(env: Env) -> None:
+    cluster_name = env.unique("xidflow-actuator")
+    home, other = env.unique("home"), env.unique("other")
+    docs = shipped_rbac(home, cluster_name)
+    await env.kube._call(env.kube.core.create_namespace, {"metadata": {"name": other}})
+    try:
+        await apply_docs(env.kube, docs)
+        names = {d["metadata"]["name"] for d in docs if d["kind"] == "ServiceAccount"}
+        assert names == {"xidflow-actuator", "xidflow-node-ops"}
+        await check_roles(env.kube, home, "xidflow-actuator", "xidflow-node-ops", [], other)
+    finally:
+        await delete_cluster_rbac(env.kube, cluster_name)
+        for ns in (home, other):
+            await env.kube._call(env.kube.core.delete_namespace, ns)
+
+
+HOOK_JOBS_FILE = Path(__file__).resolve().parents[2] / "deploy" / "rbac" / "hook-jobs-admission.yaml"
+
+
+async def test_the_actuator_can_create_only_token_less_hook_jobs(env: Env, kubeconfig: str) -> None:
+    """RBAC lets the actuator create Jobs; the shipped admission policy limits WHICH: none that reads a Secret."""
+    from pipeline.actuator import effects, jobtemplates
+    from pipeline.actuator.kube import Invalid
+
+    home, cluster_name = env.unique("hooks"), env.unique("xidflow-actuator")
+    docs = shipped_rbac(home, cluster_name)
+    api = client.AdmissionregistrationV1Api(env.kube.api_client)
+    policy, binding = [d for d in yaml.safe_load_all(HOOK_JOBS_FILE.read_text()) if d]
+    vap_name = env.unique("hook-jobs")
+    policy["metadata"]["name"] = binding["metadata"]["name"] = binding["spec"]["policyName"] = vap_name
+    condition = policy["spec"]["matchConditions"][0]
+    condition["expression"] = condition["expression"].replace(":xidflow-system:", f":{home}:")
+    try:
+        await apply_docs(env.kube, docs)
+        await env.kube._call(api.create_validating_admission_policy, policy)
+        await env.kube._call(api.create_validating_admission_policy_binding, binding)
+        sa_kube = await service_account_kube(env.kube, kubeconfig, home, "xidflow-actuator")
+        labels = {"xidflow.dev/flow": "f"}
+
+        def hook_job(name: str) -> dict[str, Any]:
+            return effects.render_job(effects.DEFAULT_REBOOT_JOB, name, home, "gpu-x", labels)
+
+        def with_secret(name: str) -> dict[str, Any]:
+            job = jobtemplates.enforce(hook_job(name), "xidflow-node-ops")
+            pod = job["spec"]["template"]["spec"]
+            pod["volumes"] = [{"name": "t", "secret": {"secretName": "xidflow-api-tokens"}}]
+            pod["containers"][0]["volumeMounts"] = [{"name": "t", "mountPath": "/t"}]
+            return job
+
+        # In force once it refuses (the API server needs a moment for a new policy and its binding).
+        attempt = 0
+        while True:
+            attempt += 1
+            name = f"probe-{attempt}"
+            try:
+                await sa_kube.create_job(home, with_secret(name))
+            except (Forbidden, Invalid) as exc:
+                assert "may mount only hostPath, emptyDir, downwardAPI and configMap volumes" in str(exc)
+                break
+            await env.kube._call(env.kube.batch.delete_namespaced_job, name, home)
+            assert attempt < 300, "the hook-jobs admission policy never took effect"
+            await asyncio.sleep(0.2)
+
+        created = await sa_kube.create_job(home, jobtemplates.enforce(hook_job("reboot-ok"), "xidflow-node-ops"))
+        pod = created["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == "xidflow-node-ops" and pod["automountServiceAccountToken"] is False
+
+        refused = {
+            "runs as the actuator": hook_job("as-default"),  # no serviceAccountName: the namespace's default
+            "reads a Secret into env": jobtemplates.enforce(hook_job("env"), "xidflow-node-ops"),
+            "mounts a projected token": jobtemplates.enforce(hook_job("proj"), "xidflow-node-ops"),
+        }
+        refused["reads a Secret into env"]["spec"]["template"]["spec"]["containers"][0]["env"] = [
+            {"name": "T", "valueFrom": {"secretKeyRef": {"name": "xidflow-api-tokens", "key": "tokens"}}}
+        ]
+        refused["mounts a projected token"]["spec"]["template"]["spec"]["volumes"] = [
+            {"name": "t", "projected": {"sources": [{"serviceAccountToken": {"path": "token"}}]}}
+        ]
+        for what, job in refused.items():
+            with pytest.raises((Forbidden, Invalid)):
+                await sa_kube.create_job(home, job)
+                pytest.fail(f"a Job that {what} was created")
+        # The admin (not the actuator) is not limited by it.
+        await env.kube.create_job(home, hook_job("admin-made"))
+        sa_kube.close()
+    finally:
+        for fn, name in ((api.delete_validating_admission_policy_binding, vap_name),
+                         (api.delete_validating_admission_policy, vap_name)):
+            try:
+                await env.kube._call(fn, name)
+            except Exception:  # noqa: BLE001 - best-effort cleanup
+                pass
+        await delete_cluster_rbac(env.kube, cluster_name)
+        await env.kube._call(env.kube.core.delete_namespace, home)

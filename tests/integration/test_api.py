@@ -29,6 +29,7 @@ from pipeline.actuator.api import (
     openapi_document,
     serve,
 )
+from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueActionRequest
 from pipeline.settings import TopicNames
 
@@ -153,14 +154,15 @@ async def topic_size(bootstrap: str, topic: str) -> int:
 
 
 async def start_api(
-    kafka_bootstrap: str, k8s: k8s_client.ApiClient, settings: ApiSettings, topics: TopicNames
+    kafka_bootstrap: str, kubeconfig: str, settings: ApiSettings, topics: TopicNames
 ) -> tuple[Callable[[], Any], str, ConfigMapPlanLedger]:
     producer = make_producer(kafka_bootstrap)
     await producer.start()
+    kube = Kube.from_config(kubeconfig)  # the same client layer as the actuator's
     lookup = KubernetesNodeLookup(
-        k8s, gpu_node_selector=settings.gpu_node_selector, gpu_resource_name=settings.gpu_resource_name
+        kube, gpu_node_selector=settings.gpu_node_selector, gpu_resource_name=settings.gpu_resource_name
     )
-    ledger = ConfigMapPlanLedger.from_settings(k8s, settings)
+    ledger = ConfigMapPlanLedger.from_settings(kube, settings)
     app = create_app(settings, producer, lookup, plan_ledger=ledger, topics=topics)
     runner, addresses = await serve(app, "127.0.0.1", 0)
     host, port = addresses[0]
@@ -168,17 +170,19 @@ async def start_api(
     async def stop() -> None:
         await runner.cleanup()
         await producer.stop()
+        kube.close()
 
     return stop, f"http://{host}:{port}", ledger
 
 
 @pytest.fixture
 async def served(
-    kafka_bootstrap: str, k8s: k8s_client.ApiClient, cluster: Cluster, unique: Callable[[str], str]
+    kafka_bootstrap: str, kubeconfig: str, cluster: Cluster, unique: Callable[[str], str]
 ) -> AsyncIterator[ServedApi]:
     topics = TopicNames(prefix=unique("api") + ".")
     topic = topics.name("remediation_requests")
     await create_topic(kafka_bootstrap, topic)
+    await create_topic(kafka_bootstrap, topics.name("remediation_audit"), partitions=1)
     settings = ApiSettings(
         host="127.0.0.1",
         port=0,
@@ -186,11 +190,12 @@ async def served(
         namespace=cluster.namespace(unique("api-ns")),
         max_pending_plans=3,
     )
-    stop, base_url, ledger = await start_api(kafka_bootstrap, k8s, settings, topics)
+    stop, base_url, ledger = await start_api(kafka_bootstrap, kubeconfig, settings, topics)
     async with aiohttp.ClientSession() as session:
         yield ServedApi(base_url, topic, settings, ledger, session)
     await stop()
     await delete_topic(kafka_bootstrap, topic)
+    await delete_topic(kafka_bootstrap, topics.name("remediation_audit"))
 
 
 async def test_success_is_published_keyed_by_node_after_the_ack(
@@ -296,11 +301,11 @@ async def test_two_replicas_share_one_limit(
     served: ServedApi,
     cluster: Cluster,
     kafka_bootstrap: str,
-    k8s: k8s_client.ApiClient,
+    kubeconfig: str,
     unique: Callable[[str], str],
 ) -> None:
     topics = TopicNames(prefix=served.topic.removesuffix(TopicNames().remediation_requests))
-    stop_second, second_url, _ = await start_api(kafka_bootstrap, k8s, served.settings, topics)
+    stop_second, second_url, _ = await start_api(kafka_bootstrap, kubeconfig, served.settings, topics)
     try:
         nodes = [cluster.node(unique("gpu"), GPU_LABELS) for _ in range(8)]
 
@@ -385,3 +390,195 @@ def test_token_file_is_read_and_rotated(tmp_path: Path) -> None:
 def test_an_api_without_tokens_refuses_to_start() -> None:
     with pytest.raises(ValueError, match="no API tokens configured"):
         create_app(ApiSettings(tokens={}), None, None, plan_ledger=None)  # type: ignore[arg-type]
+
+
+async def test_an_idempotency_key_reused_with_another_body_is_refused_and_audited(
+    served: ServedApi, cluster: Cluster, kafka_bootstrap: str, unique: Callable[[str], str]
+) -> None:
+    node = cluster.node(unique("gpu"), GPU_LABELS)
+    key = {"Idempotency-Key": "ticket-77"}
+    status, _, headers = await served.post(rescue_body(node), headers=key)
+    assert status == 200
+    request_id = headers[REQUEST_ID_HEADER]
+    # The same body spelt differently (another offset notation, keys reordered) is the same request.
+    same = {"actions": rescue_body(node)["actions"], "escalateTime": "2025-03-01T11:59:30+00:00",
+            "xid": 79, "nodeName": node}
+    status, _, headers = await served.post(same, headers=key)
+    assert (status, headers[REQUEST_ID_HEADER]) == (200, request_id)
+
+    other = rescue_body(node, actions=[{"name": "reboot", "waittime": 0}])
+    status, answer, _ = await served.post(other, headers=key)
+    assert status == 409
+    assert answer["code"] == "Error" and "Idempotency-Key" in answer["message"]
+    # Still refused once the actuator released the plan: the key is remembered, not only counted.
+    await served.ledger.release(request_id)
+    status, _, _ = await served.post(other, headers=key)
+    assert status == 409
+
+    published = [RescueActionRequest.from_bytes(r.value) for r in await read_topic(kafka_bootstrap, served.topic, 2)]
+    assert [p.request_id for p in published] == [request_id, request_id]
+    assert all([a.name for a in p.actions] == ["cordon", "drain"] for p in published)
+    audit_topic = served.topic.removesuffix(TopicNames().remediation_requests) + TopicNames().remediation_audit
+    audits = [orjson.loads(r.value) for r in await read_topic(kafka_bootstrap, audit_topic, 1)]
+    assert audits[0]["action"] == "api-idempotency-conflict" and audits[0]["node"] == node
+    assert audits[0]["details"]["requested_by"] == "ops-portal"
+    assert audits[0]["details"]["idempotency_key"] == "ticket-77"
+
+
+@pytest.mark.parametrize(
+    "escalate_time",
+    [
+        "0001-01-01T00:00:01+02:00",
+        "0001-01-01T00:00:00+00:01",
+        "9999-12-31T23:59:59-00:01",
+        "9999-12-31T23:30:00-23:59",
+        "0000-01-01T00:00:00Z",
+        "2024-02-30T00:00:00Z",
+        "2024-01-01T24:00:00Z",
+        "2024-01-01T00:00:00+24:00",
+        -1,
+        253402300800,
+        1.5,
+        1e300,
+        True,
+        None,
+        [],
+        {},
+        "",
+    ],
+)
+async def test_every_bad_escalate_time_is_a_400_naming_the_field(
+    served: ServedApi, cluster: Cluster, escalate_time: Any, kafka_bootstrap: str
+) -> None:
+    status, answer, _ = await served.post(rescue_body("gpu-x", escalateTime=escalate_time))
+    assert status == 400, answer
+    assert answer["message"].startswith("Parameter error: escalateTime"), answer
+
+
+async def test_calendar_edge_escalate_times_that_exist_are_accepted(
+    served: ServedApi, cluster: Cluster, unique: Callable[[str], str]
+) -> None:
+    node = cluster.node(unique("gpu"), GPU_LABELS)
+    for i, value in enumerate(["0001-01-01T00:00:00Z", "9999-12-31T23:59:59Z", "0001-01-01T01:00:00+01:00", 0]):
+        body = rescue_body(node, escalateTime=value)
+        status, answer, headers = await served.post(body, headers={"Idempotency-Key": f"e{i}"})
+        assert status == 200, (value, answer)
+        await served.ledger.release(headers[REQUEST_ID_HEADER])
+
+
+async def test_a_token_file_rotated_into_invalid_utf8_keeps_the_old_tokens(
+    kafka_bootstrap: str, kubeconfig: str, cluster: Cluster, unique: Callable[[str], str], tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_text("ops-portal:first-secret-token\n")
+    topics = TopicNames(prefix=unique("apitf") + ".")
+    await create_topic(kafka_bootstrap, topics.name("remediation_requests"))
+    settings = ApiSettings(host="127.0.0.1", port=0, token_file=token_file, namespace=cluster.namespace(unique("ns")))
+    stop, base_url, _ = await start_api(kafka_bootstrap, kubeconfig, settings, topics)
+    node = cluster.node(unique("gpu"), GPU_LABELS)
+    try:
+        async with aiohttp.ClientSession() as session:
+            async def post(token: str) -> int:
+                headers = {"Authorization": f"Bearer {token}"}
+                async with session.post(base_url + RESCUE_ACTIONS_PATH, data=orjson.dumps(rescue_body(node)),
+                                        headers=headers) as resp:
+                    return resp.status
+
+            assert await post("first-secret-token") == 200
+            token_file.write_bytes(b"ops-portal:second-secret-\xff\xfe-token\n")
+            assert await post("first-secret-token") == 200  # kept, not a 500 for everyone
+    finally:
+        await stop()
+    logged = caplog.text
+    assert f"API token file {token_file} is not valid UTF-8 text" in logged
+    assert "first-secret-token" not in logged and "second-secret-" not in logged
+
+
+def actuator_process_env(kafka_bootstrap: str, kubeconfig: str, prefix: str, namespace: str, group: str,
+                         **extra: str) -> dict[str, str]:
+    return {
+        **os.environ,
+        "KUBECONFIG": kubeconfig,
+        "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+        "XIDFLOW_TOPIC_PREFIX": prefix,
+        "XIDFLOW_ACTUATOR_NAMESPACE": namespace,
+        "XIDFLOW_API_NAMESPACE": namespace,
+        "XIDFLOW_ACTUATOR_GROUP_ID": group,
+        "XIDFLOW_ACTUATOR_POLICY_SOURCE": "file",
+        "XIDFLOW_METRICS_PORT": "0",
+        **extra,
+    }
+
+
+async def test_a_busy_port_stops_the_actuator_with_a_clear_sentence(
+    kafka_bootstrap: str, kubeconfig: str, cluster: Cluster, unique: Callable[[str], str]
+) -> None:
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        env = actuator_process_env(
+            kafka_bootstrap, kubeconfig, unique("busy") + ".", cluster.namespace(unique("ns")), unique("g"),
+            XIDFLOW_API_HOST="127.0.0.1", XIDFLOW_API_PORT=str(port), XIDFLOW_API_TOKENS=f'{{"ops": "{TOKEN}"}}',
+        )
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "pipeline.cli", "actuator", env=env,
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        output, _ = await asyncio.wait_for(process.communicate(), 120)
+    text = output.decode(errors="replace")
+    assert process.returncode != 0, text
+    assert f"the decision API cannot listen on 127.0.0.1:{port}: the port is already in use" in text
+    assert "Traceback" not in text
+    assert TOKEN not in text
+
+
+async def test_without_a_token_file_the_api_serves_401_to_everyone(
+    kafka_bootstrap: str, kubeconfig: str, cluster: Cluster, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The chart's default: the Secret is optional, the token file path is set but absent."""
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    token_file = tmp_path / "api" / "tokens"
+    prefix = unique("notok") + "."
+    topics = TopicNames(prefix=prefix)
+    for name in ("incidents", "remediation_requests", "remediation_audit", "deadletter"):
+        await create_topic(kafka_bootstrap, topics.name(name), partitions=1)
+    env = actuator_process_env(
+        kafka_bootstrap, kubeconfig, prefix, cluster.namespace(unique("ns")), unique("g"),
+        XIDFLOW_API_HOST="127.0.0.1", XIDFLOW_API_PORT=str(port), XIDFLOW_API_TOKEN_FILE=str(token_file),
+    )
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pipeline.cli", "actuator", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as session:
+            while True:
+                assert process.returncode is None, "the actuator exited"
+                try:
+                    async with session.get(url + "/healthz") as resp:
+                        if resp.status == 200:
+                            break
+                except aiohttp.ClientConnectionError:
+                    await asyncio.sleep(0.2)
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            async with session.post(url + RESCUE_ACTIONS_PATH, data=b"{}", headers=headers) as resp:
+                assert resp.status == 401
+            token_file.parent.mkdir()
+            token_file.write_text(f"ops:{TOKEN}\n")  # the Secret appears: served without a restart
+            async with session.post(url + RESCUE_ACTIONS_PATH, data=b"{}", headers=headers) as resp:
+                assert resp.status == 400
+    finally:
+        process.terminate()
+        output, _ = await asyncio.wait_for(process.communicate(), 60)
+    text = output.decode(errors="replace")
+    assert "every request is answered 401 until a token is configured" in text
+    assert TOKEN not in text

@@ -75,7 +75,8 @@ def test_default_install_has_every_component(default_docs: list[dict]) -> None:
     assert not [k for k in kinds if k[1].endswith("loki-tail")]
     assert not [k for k in kinds if k[0] in ("ServiceMonitor", "Secret", "RescuePolicy", "WarmStandbyPolicy")]
     for d in default_docs:
-        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding"):
+        if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
+                             "ValidatingAdmissionPolicyBinding"):
             assert d["metadata"]["namespace"] == NS, d["metadata"]["name"]
 
 
@@ -225,8 +226,12 @@ def test_least_privilege(default_docs: list[dict], all_docs: list[dict]) -> None
                 assert d["spec"]["template"]["spec"]["automountServiceAccountToken"] is False
     fb = one(default_docs, "ClusterRole", "-fluent-bit")
     assert _rule_set(fb["rules"]) == {("", r, "*", v) for r in ("pods", "namespaces") for v in ("get", "list", "watch")}
-    no_force = render(**{"actuator.allowForceDelete": False})
-    assert ("", "pods", "*", "delete") not in _rule_set(one(no_force, "ClusterRole", "-actuator")["rules"])
+    # Pods are evicted, never deleted, unless a namespace is listed for forced deletion (then only there).
+    assert not [g for g in grants if g[1] == "pods" and g[3] == "delete"]
+    forced = render(**{"actuator.forceDeleteNamespaces[0]": "batch"})
+    deleting = [d for d in forced if d["kind"] in ("ClusterRole", "Role")
+                and ("", "pods", "*", "delete") in _rule_set(d["rules"])]
+    assert [(d["kind"], d["metadata"]["namespace"]) for d in deleting] == [("Role", "batch")]
 
 
 def test_optional_components(all_docs: list[dict]) -> None:

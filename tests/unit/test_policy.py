@@ -88,6 +88,19 @@ def test_node_selector_any_all(operator: str, labels: dict[str, str], expected: 
             "  - {priority: 1, nodeSelector: {operator: some}, actions: [{name: cordon}]}\n",
             "spec.rules[0].nodeSelector.operator",
         ),
+        # Hook Job templates are the operator's, never a policy's.
+        ("  - {actions: [{name: reboot, jobTemplate: {spec: {}}}]}\n", "spec.rules[0].actions[0].jobTemplate"),
+        ("  - {actions: [{name: resetGpu, jobTemplate: {}}]}\n", "spec.rules[0].actions[0].jobTemplate"),
+        # Forced deletion only where the policy names the namespaces (RBAC grants delete only there).
+        ("  - {actions: [{name: drain, forceAfter: 60}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        ("  - {actions: [{name: drain, forceNamespaces: [a]}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        (
+            "  - {actions: [{name: drain, forceAfter: 1, forceNamespaces: [Not_A_NS]}]}\n",
+            "spec.rules[0].actions[0].forceNamespaces",
+        ),
+        ("  - {actions: [{name: cordon, forceNamespaces: [a]}]}\n", "spec.rules[0].actions[0].forceNamespaces"),
+        ("  - {actions: [{name: taint, key: 'bad key!'}]}\n", "spec.rules[0].actions[0].key"),
+        ("  - {actions: [{name: quarantine, key: '/x'}]}\n", "spec.rules[0].actions[0].key"),
     ],
 )
 def test_invalid_policy_is_rejected_naming_the_field(rules: str, field: str) -> None:
@@ -135,3 +148,53 @@ def test_kubectl_list_wrapper_is_unpacked() -> None:
         " spec: {rules: [{priority: 2, actions: [{name: cordon}]}]}}\n"
     )
     assert load_yaml_text(text).rules[0].name == "a[0]"
+
+
+def test_forced_deletion_with_its_namespaces_and_valid_taint_keys_load() -> None:
+    text = rescue(
+        "  - {name: d, actions: [{name: drain, forceAfter: 30, forceNamespaces: [batch, ml-train]},"
+        " {name: taint, key: example.com/gpu-fault}, {name: quarantine, key: gpu_fault.v2}]}\n"
+    )
+    rule = load_yaml_text(text).rules[0]
+    assert rule.actions[0].force_namespaces == ("batch", "ml-train")
+    assert rule.actions[1].key == "example.com/gpu-fault"
+
+
+# -- the store's status reporting (pure parts) --------------------------------------------------------
+def _doc(generation: int, actions: list[dict[str, object]], status: dict[str, object] | None = None) -> dict:
+    doc: dict = {
+        "apiVersion": "xidflow.dev/v1alpha1",
+        "kind": "RescuePolicy",
+        "metadata": {"name": "p", "generation": generation},
+        "spec": {"rules": [{"name": "r", "actions": actions}]},
+    }
+    if status is not None:
+        doc["status"] = status
+    return doc
+
+
+def test_status_of_a_refused_generation_names_the_version_in_force() -> None:
+    from pipeline.actuator.policystore import Tracked, desired_status, status_matches, version_in_force_from_status
+
+    good, bad = _doc(1, [{"name": "event"}]), _doc(2, [{"name": "drain", "hook": "job"}])
+    tracked = Tracked(doc=bad, valid=good, error="RescuePolicy/p spec.rules[0].actions[0].hook: not valid")
+    status = desired_status(tracked)
+    assert status["observedGeneration"] == 2 and status["inForceGeneration"] == 1
+    condition = status["conditions"][0]
+    assert (condition["type"], condition["status"], condition["reason"]) == ("Accepted", "False", "InvalidPolicy")
+    assert condition["message"].endswith("generation 1 stays in force")
+    assert status_matches({**status, "conditions": [{**condition, "lastTransitionTime": "t"}]}, status)
+    assert not status_matches({**status, "observedGeneration": 1}, status)
+    # A replica started later finds the version in force in the status and keeps it.
+    recorded = version_in_force_from_status({**bad, "status": status})
+    assert recorded is not None and recorded["spec"] == good["spec"] and recorded["metadata"]["generation"] == 1
+    assert version_in_force_from_status({**bad, "status": {"inForceSpec": "{not json", "inForceGeneration": 1}}) is None
+
+
+def test_status_of_an_accepted_generation() -> None:
+    from pipeline.actuator.policystore import Tracked, desired_status
+
+    doc = _doc(3, [{"name": "cordon"}])
+    status = desired_status(Tracked(doc=doc, valid=doc))
+    assert status["inForceGeneration"] == 3 and status["conditions"][0]["status"] == "True"
+    assert desired_status(Tracked(doc=doc, error="bad"))["conditions"][0]["message"].endswith("not in force")

@@ -1,0 +1,92 @@
+"""Start-up of ``xidflow actuator`` with a bad API or hook-Job configuration: one clear sentence, a
+non-zero exit, before anything connects, and never a token in the output."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from pipeline.actuator.api import ApiSettings, TokenFileError, TokenStore, read_token_file
+from pipeline.cli import cli
+
+SECRET = "s3cr3t-token-value-4711"
+
+
+def run(args: list[str], env: dict[str, str]) -> tuple[int, str]:
+    result = CliRunner().invoke(cli, args, env=env)
+    return result.exit_code, result.output + (str(result.exception) if result.exception else "")
+
+
+@pytest.mark.parametrize(
+    "tokens",
+    [
+        f'["{SECRET}"]',  # valid JSON, wrong shape
+        f'{{"ops": ["{SECRET}"]}}',
+        f'{{"ops": "{SECRET}"',  # not JSON
+        f"ops:{SECRET}",
+    ],
+)
+def test_malformed_api_tokens_are_refused_without_echoing_them(tokens: str) -> None:
+    code, out = run(["actuator", "--kubeconfig", "/nonexistent"], {"XIDFLOW_API_TOKENS": tokens})
+    assert code != 0
+    assert "tokens" in out and "invalid settings" in out
+    assert SECRET not in out
+    assert "Traceback" not in out
+
+
+def test_api_settings_errors_hide_the_input() -> None:
+    with pytest.raises(ValueError) as err:
+        ApiSettings(tokens=[SECRET])  # type: ignore[arg-type]
+    assert SECRET not in str(err.value)
+
+
+def test_a_token_file_that_is_not_utf8_is_refused_at_start(tmp_path: Path) -> None:
+    token_file = tmp_path / "tokens"
+    token_file.write_bytes(f"ops:{SECRET}\nother:\xff\xfe{SECRET}\n".encode("latin-1"))
+    with pytest.raises(TokenFileError, match="line 2"):
+        read_token_file(token_file)
+    code, out = run(["actuator"], {"XIDFLOW_API_TOKEN_FILE": str(token_file)})
+    assert code != 0
+    assert f"API token file {token_file} is not valid UTF-8 text (line 2)" in out
+    assert SECRET not in out
+
+
+def test_a_token_file_that_cannot_be_read_is_refused_at_start(tmp_path: Path) -> None:
+    code, out = run(["actuator"], {"XIDFLOW_API_TOKEN_FILE": str(tmp_path)})  # a directory
+    assert code != 0
+    assert f"API token file {tmp_path} cannot be read" in out
+
+
+def test_api_forced_on_without_tokens_is_refused() -> None:
+    code, out = run(["actuator", "--api"], {})
+    assert code != 0
+    assert "the decision API has no tokens" in out
+
+
+def test_a_missing_token_file_serves_401_to_everyone(tmp_path: Path) -> None:
+    store = TokenStore({}, tmp_path / "not-yet")
+    assert store.has_sources() and store.load() == 0
+    assert store.identify(f"Bearer {SECRET}") is None
+    (tmp_path / "not-yet").write_text(f"ops:{SECRET}\n")
+    assert store.identify(f"Bearer {SECRET}") == "ops"  # a Secret mounted later is picked up
+
+
+def test_a_token_header_that_is_not_utf8_is_refused_not_an_error() -> None:
+    store = TokenStore({"ops": SECRET})
+    assert store.identify("Bearer \udcff\udcfe") is None
+
+
+def test_an_unsafe_operator_job_template_is_refused_at_start(tmp_path: Path) -> None:
+    template = tmp_path / "reboot.yaml"
+    template.write_text(
+        "apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
+        "      - {name: r, image: busybox, command: [reboot]}\n"
+        "      volumes: [{name: t, secret: {secretName: xidflow-api-tokens}}]\n"
+    )
+    code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE": str(template)})
+    assert code != 0
+    assert f"reboot Job template {template}: spec.template.spec.volumes[0]" in out
+    code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE": str(tmp_path / "missing.yaml")})
+    assert code != 0 and "GPU-reset Job template" in out and "cannot be read" in out

@@ -1,0 +1,55 @@
+"""The breaker counts the GPU nodes quarantined now, not only the quarantines since a reset."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pipeline.actuator.breaker import decide_admissions, quarantined_by_xidflow
+from pipeline.actuator.ownership import CORDON, LEDGER_ANNOTATION, Ledger, taint_effect_key
+
+NOW = 1_700_000_000.0
+
+
+def node(name: str, *, cordoned: bool = False, taint: bool = False, owned: tuple[str, ...] = ()) -> dict[str, Any]:
+    ledger = Ledger()
+    for effect in owned:
+        ledger.own(effect, "inc-1")
+    spec: dict[str, Any] = {"unschedulable": cordoned}
+    if taint:
+        spec["taints"] = [{"key": "nvidia.com/gpu-fault", "effect": "NoSchedule"}]
+    return {"metadata": {"name": name, "annotations": {LEDGER_ANNOTATION: ledger.to_annotation()}}, "spec": spec}
+
+
+TAINT = taint_effect_key("nvidia.com/gpu-fault", "NoSchedule")
+
+
+def test_only_xidflows_own_effects_in_place_count_as_quarantined() -> None:
+    assert quarantined_by_xidflow(node("a", cordoned=True, owned=(CORDON,)))
+    assert quarantined_by_xidflow(node("b", taint=True, owned=(TAINT,)))
+    assert not quarantined_by_xidflow(node("c", cordoned=True))  # a person's cordon, or an idle standby
+    assert not quarantined_by_xidflow(node("d", owned=(CORDON, TAINT)))  # a person undid both
+    assert not quarantined_by_xidflow({"metadata": {"name": "e"}})
+
+
+def test_after_a_reset_the_nodes_still_quarantined_count() -> None:
+    """The issue's case: 10 of 20 quarantined, tripped, reset: the next one trips again (not 14 of 20)."""
+    quarantined = frozenset(f"n{i}" for i in range(10))
+    state: dict[str, Any] = {"tripped": False, "admitted": {}}  # what a reset used to leave behind
+    decisions = decide_admissions(state, [f"n{i}" for i in range(10, 14)], 20, 0.5, 300, NOW, quarantined)
+    assert [d.allowed for d in decisions.values()] == [False, False, False, False]
+    assert decisions["n10"].tripped_now and "11 of 20" in state["reason"] and "10 quarantined now" in state["reason"]
+
+
+def test_quarantined_nodes_are_admitted_again_for_free_and_new_ones_count_with_them() -> None:
+    quarantined = frozenset({"a", "b"})
+    state: dict[str, Any] = {}
+    got = decide_admissions(state, ["a", "c"], 6, 0.5, 300, NOW, quarantined)
+    assert got["a"].allowed and got["c"].allowed  # a already counted; c makes 3 of 6
+    got = decide_admissions(state, ["d"], 6, 0.5, 300, NOW + 1, quarantined)
+    assert not got["d"].allowed and got["d"].tripped_now  # 4 of 6
+
+
+def test_a_node_admitted_in_the_window_and_seen_quarantined_counts_once() -> None:
+    state: dict[str, Any] = {"admitted": {"a": NOW}}
+    got = decide_admissions(state, ["b"], 4, 0.5, 300, NOW + 1, frozenset({"a"}))
+    assert got["b"].allowed  # a (both admitted and quarantined) + b = 2 of 4
