@@ -24,7 +24,7 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.app", "WorkerSettings", "Faust worker (worker)"),
     ("pipeline.aggregation", "AggregationSettings", "Per-node aggregation windows and thresholds (worker)"),
     ("pipeline.actuator.settings", "ActuatorSettings", "Actuator: remediation, safety rails (actuator)"),
-    ("pipeline.actuator.api", "ApiSettings", "Decision API (actuator, when tokens are configured)"),
+    ("pipeline.actuator.api.settings", "ApiSettings", "Decision API (actuator, when tokens are configured)"),
     ("pipeline.actuator.notify", "NotifySettings", "Webhook notifications (actuator)"),
 )
 

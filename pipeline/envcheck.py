@@ -46,10 +46,17 @@ def settings_names(cls: type) -> set[str]:
 def _source_names(module_name: str, class_name: str) -> set[str] | None:
     """The class's variable names read from its module's source, without importing it (the worker's and
     the actuator's modules import Faust and the Kubernetes client: seconds). None when not found there."""
-    spec = importlib.util.find_spec(module_name)
-    if spec is None or not spec.origin or not spec.origin.endswith(".py"):
+    # The file is found from the top-level package's location: find_spec on a dotted name would import
+    # its parent packages, and a package's __init__ may import the heavy modules this avoids.
+    top, _, rest = module_name.partition(".")
+    spec = importlib.util.find_spec(top)
+    if spec is None or not spec.submodule_search_locations:
         return None
-    tree = ast.parse(Path(spec.origin).read_text())
+    base = Path(next(iter(spec.submodule_search_locations))).joinpath(*rest.split(".")) if rest else None
+    source = next((p for p in (base.with_suffix(".py"), base / "__init__.py") if p.is_file()), None) if base else None
+    if source is None:
+        return None
+    tree = ast.parse(source.read_text())
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == class_name), None)
     if cls is None or len(cls.bases) != 1 or getattr(cls.bases[0], "id", None) != "BaseSettings":
         return None  # inherits fields from elsewhere: let pydantic answer
