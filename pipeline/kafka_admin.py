@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import logging
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
+
+from pipeline import kafka_clients
 
 log = logging.getLogger("xidflow.kafka_admin")
 
@@ -15,7 +17,7 @@ async def ensure_topics(bootstrap: str, names: list[str], partitions: int, repli
     The broker's auto-creation would make one-partition topics, which would break the node-keyed
     co-partitioning of fault events and the node-state changelog.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = kafka_clients.admin(bootstrap=bootstrap)
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -39,7 +39,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import metrics
+from pipeline import kafka_clients, metrics
 from pipeline.settings import TopicNames
 from schemas.records import (
     Action,
@@ -471,8 +471,8 @@ class ParseStage:
     async def run(self, stop_after: int | None = None) -> StageCounters:
         """Run until ``stop()`` (or until ``stop_after`` records were processed, for benchmarks)."""
         s = self.settings
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
+        consumer = kafka_clients.consumer(
+            bootstrap=self.bootstrap,
             group_id=self.group_id,
             client_id=self.client_id,
             enable_auto_commit=False,
@@ -483,8 +483,8 @@ class ParseStage:
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=300_000,
         )
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap,
+        producer = kafka_clients.producer(
+            bootstrap=self.bootstrap,
             client_id=self.client_id,
             acks="all",
             enable_idempotence=True,

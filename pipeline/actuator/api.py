@@ -49,6 +49,7 @@ from kubernetes.client.rest import ApiException
 from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline import kafka_clients
 from pipeline.actuator.requests import (
     MAX_IDEMPOTENCY_KEY_LENGTH,
     ParameterError,
@@ -686,7 +687,7 @@ def create_app(
 
 def make_producer(bootstrap: str) -> AIOKafkaProducer:
     """A producer whose acknowledgement means durable: acks from all in-sync replicas, idempotent."""
-    return AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", enable_idempotence=True)
+    return kafka_clients.producer(bootstrap=bootstrap, acks="all", enable_idempotence=True)
 
 
 def load_kubernetes_client() -> k8s_client.ApiClient:

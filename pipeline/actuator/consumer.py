@@ -20,6 +20,7 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from pydantic import ValidationError
 
+from pipeline import kafka_clients
 from pipeline.actuator.requests import RescueActionRequest
 from schemas.records import DeadLetter, NodeIncident, NodeRecovered
 
@@ -122,8 +123,8 @@ class ActuatorConsumer:
 
     async def start(self) -> None:
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap_servers,
+        self.consumer = kafka_clients.consumer(
+            bootstrap=self.bootstrap_servers,
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -131,7 +132,7 @@ class ActuatorConsumer:
             # New topics (and partitions) are noticed within seconds, not the 5-minute default.
             metadata_max_age_ms=5000,
         )
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True)
+        self.producer = kafka_clients.producer(bootstrap=self.bootstrap_servers, acks="all", enable_idempotence=True)
         await self.producer.start()
         await self.consumer.start()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
