@@ -104,6 +104,22 @@ class KafkaSettings(BaseSettings):
         description="Verify that the broker certificate names the host connected to",
     )
 
+    api_sasl_username: str | None = Field(
+        default=None, validation_alias="KAFKA_API_SASL_USERNAME",
+        description="The decision API's own SASL user (the only writer of rescue requests); default: the process's",
+    )
+    api_sasl_password_file: Path | None = Field(
+        default=None, validation_alias="KAFKA_API_SASL_PASSWORD_FILE",
+        description="Password file of KAFKA_API_SASL_USERNAME (a mounted Secret)",
+    )
+
+    def for_api(self) -> KafkaSettings:
+        """The settings of the decision API's producer: its own principal when one is configured."""
+        if self.api_sasl_username is None:
+            return self
+        return self.model_copy(update={"sasl_username": self.api_sasl_username, "sasl_password": None,
+                                       "sasl_password_file": self.api_sasl_password_file})
+
     @property
     def uses_ssl(self) -> bool:
         return self.security_protocol in ("SSL", "SASL_SSL")
@@ -167,8 +183,13 @@ def kafka_settings_problems(s: KafkaSettings) -> list[str]:
         have, need = ("KAFKA_SSL_CERTFILE", "KAFKA_SSL_KEYFILE") if s.ssl_certfile else (
             "KAFKA_SSL_KEYFILE", "KAFKA_SSL_CERTFILE")
         out.append(f"{need} is required with {have} (mTLS needs both the certificate and its key)")
+    if bool(s.api_sasl_username) != bool(s.api_sasl_password_file):
+        out.append("KAFKA_API_SASL_USERNAME and KAFKA_API_SASL_PASSWORD_FILE go together")
+    elif s.api_sasl_username and s.sasl_mechanism not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        out.append("KAFKA_API_SASL_USERNAME needs KAFKA_SASL_MECHANISM PLAIN or SCRAM-*")
     for name, path in (("KAFKA_SASL_PASSWORD_FILE", s.sasl_password_file),
                        ("KAFKA_SASL_OAUTH_TOKEN_FILE", s.sasl_oauth_token_file),
+                       ("KAFKA_API_SASL_PASSWORD_FILE", s.api_sasl_password_file),
                        ("KAFKA_SSL_CAFILE", s.ssl_cafile), ("KAFKA_SSL_CERTFILE", s.ssl_certfile),
                        ("KAFKA_SSL_KEYFILE", s.ssl_keyfile)):
         if path is not None and not path.is_file():

@@ -50,6 +50,7 @@ from pydantic import BaseModel, Field, SecretStr
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import kafka_clients
+from pipeline.actuator import signing
 from pipeline.actuator.requests import (
     MAX_IDEMPOTENCY_KEY_LENGTH,
     ParameterError,
@@ -615,6 +616,7 @@ def create_app(
         raise ValueError("no API tokens configured: set XIDFLOW_API_TOKENS or XIDFLOW_API_TOKEN_FILE")
     topic = (topics or TopicNames()).name("remediation_requests")
     document = openapi_document(settings)
+    signer = signing.Signer.from_settings()  # proof of origin (issue 12): every record is signed
 
     async def rescue_actions(request: web.Request) -> web.Response:
         requested_by = tokens.identify(request.headers.get("Authorization"))
@@ -653,7 +655,8 @@ def create_app(
                     topic,
                     value=parsed.to_bytes(),
                     key=parsed.node_name.encode(),
-                    headers=[("type", b"rescue_request"), ("request_id", parsed.request_id.encode())],
+                    headers=[("type", b"rescue_request"), ("request_id", parsed.request_id.encode()),
+                             *signer.headers(parsed.node_name.encode(), parsed.to_bytes())],  # issue 12
                 ),
                 timeout=settings.produce_timeout_seconds,
             )
@@ -687,7 +690,8 @@ def create_app(
 
 def make_producer(bootstrap: str) -> AIOKafkaProducer:
     """A producer whose acknowledgement means durable: acks from all in-sync replicas, idempotent."""
-    return kafka_clients.producer(bootstrap=bootstrap, acks="all", enable_idempotence=True)
+    return kafka_clients.producer(bootstrap=bootstrap, settings=kafka_clients.load_settings().for_api(), acks="all",
+                                  enable_idempotence=True)
 
 
 def load_kubernetes_client() -> k8s_client.ApiClient:

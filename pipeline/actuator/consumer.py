@@ -21,6 +21,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from pydantic import ValidationError
 
 from pipeline import kafka_clients
+from pipeline.actuator import signing
 from pipeline.actuator.requests import RescueActionRequest
 from schemas.records import DeadLetter, NodeIncident, NodeRecovered
 
@@ -120,6 +121,9 @@ class ActuatorConsumer:
         self._stopping = asyncio.Event()
         self.processed = 0
         self.failed = False
+        # Proof of origin (issue 12): rescue requests must carry the decision API's signature.
+        self.verifier = signing.Verifier.from_settings()
+        self.refuse: Callable[[RescueActionRequest, str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
@@ -181,6 +185,12 @@ class ActuatorConsumer:
                 key=msg.key.decode("utf-8", "replace") if msg.key else None,
             )
             await self.producer.send_and_wait(self.deadletter_topic, letter.to_bytes(), key=msg.key)
+            self.tracker.done(tp, msg.offset)
+            return
+        if isinstance(record, RescueActionRequest) and (why := self.verifier.check(msg.key, msg.value, msg.headers)):
+            log.warning("refusing rescue request %s for %s: %s", record.request_id, record.node_name, why)
+            if self.refuse is not None:  # issue 12: an unsigned or forged request does nothing but its audit
+                await self.refuse(record, why)
             self.tracker.done(tp, msg.offset)
             return
         node = node_of(record)
