@@ -172,6 +172,17 @@ class KafkaCluster:
                        KAFKA_SSL_CAFILE=str(self.ca_file))
         return env
 
+    @property
+    def signing_key_file(self) -> Path:
+        return self.root / "users" / "signing.key"
+
+    def local_env(self) -> dict[str, str]:
+        """What `xidflow local env` prints: the admin's Kafka settings and the rescue-request signing key."""
+        env = self.client_env(ADMIN_USER)
+        if self.secured:
+            env["XIDFLOW_SIGNING_KEY_FILE"] = str(self.signing_key_file)
+        return env
+
     def client_settings(self, user: str = ADMIN_USER) -> KafkaSettings:
         return KafkaSettings(**self.client_env(user))
 
@@ -205,6 +216,8 @@ class KafkaCluster:
             path = self.password_file(user)
             path.write_text(secrets.token_urlsafe(24))
             path.chmod(0o600)
+        self.signing_key_file.write_text(secrets.token_urlsafe(32) + "\n")
+        self.signing_key_file.chmod(0o600)
         (self.pki / ".complete").write_text("ok")
 
     def _jaas(self, user: str) -> str:
