@@ -252,7 +252,10 @@ def test_a_forged_request_does_nothing_and_is_audited_while_a_signed_one_acts(wo
             return any(r.node == forged_node and r.reason.startswith("refused: unsigned") for r in await world.audit())
 
         await world.wait(refused_audited, 90, "the forged request was not audited as refused")
-        await world.wait(lambda: world.cordoned(signed_node), 90, "the signed request was not carried out")
+        try:
+            await world.wait(lambda: world.cordoned(signed_node), 90, "the signed request was not carried out")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\naudit: {[r for r in await world.audit() if r.node == signed_node]}") from None
         assert not await world.cordoned(forged_node), "a forged request cordoned a node"
         refused = [r for r in await world.audit() if r.node == forged_node]
         assert refused and all(r.action == "rescue-request" and r.details["request_id"] == forged.request_id
