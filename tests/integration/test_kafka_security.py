@@ -154,6 +154,7 @@ class World:
         self.selector = f"xidflow.test/fleet={self.tag}"
         self.kube = Kube.from_config(kubeconfig, 8)
         self.nodes: list[str] = []
+        self.free: list[str] = []
         self.procs: list[Proc] = []
 
     def env(self, user: str, **extra: str) -> dict[str, str]:
@@ -170,11 +171,15 @@ class World:
             XIDFLOW_ACTUATOR_NAMESPACE=self.unique("ns"), XIDFLOW_ACTUATOR_POLICY_SOURCE="file",
             XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE="1.0"), self.logs / "actuator.log"))
 
-    async def make_node(self) -> str:
-        name = self.unique("gpu")
-        self.nodes.append(name)
-        await create_nodes(self.kube, [name], {"xidflow.test/fleet": self.tag})
-        return name
+    async def make_nodes(self, count: int) -> None:
+        """The fleet exists before the actuator starts (its breaker counts the fleet it saw)."""
+        names = [self.unique("gpu") for _ in range(count)]
+        await create_nodes(self.kube, names, {"xidflow.test/fleet": self.tag})
+        self.nodes += names
+        self.free = list(names)
+
+    def take(self) -> str:
+        return self.free.pop()
 
     async def cordoned(self, name: str) -> bool:
         return bool((await self.kube.get_node(name))["spec"].get("unschedulable"))
@@ -207,6 +212,7 @@ def world(secured: KafkaCluster, kubeconfig: str, tmp_path_factory: pytest.TempP
         return f"{prefix}-sec-{uuid.uuid4().hex[:6]}-{next(counter)}"
 
     w = World(secured, kubeconfig, unique, tmp_path_factory.mktemp("secured-procs"))
+    asyncio.run(w.make_nodes(8))
     w.start()
     yield w
     asyncio.run(w.close())
@@ -218,7 +224,7 @@ def kmsg(node: str, line: str) -> bytes:
 
 def test_the_pipeline_runs_end_to_end_on_the_secured_broker(world: World) -> None:
     async def scenario() -> None:
-        node = await world.make_node()
+        node = world.take()
         shipper = world.cluster.client_settings("xidflow-shipper")
 
         async def ship_and_check() -> bool:  # the worker may still be joining its group: keep shipping
@@ -238,7 +244,7 @@ def request(node: str, request_id: str) -> RescueActionRequest:
 
 def test_a_forged_request_does_nothing_and_is_audited_while_a_signed_one_acts(world: World) -> None:
     async def scenario() -> None:
-        forged_node, signed_node = await world.make_node(), await world.make_node()
+        forged_node, signed_node = world.take(), world.take()
         admin = world.cluster.client_settings(ADMIN_USER)  # a misconfigured ACL: anyone could write requests
         forged = request(forged_node, f"forged-{uuid.uuid4().hex[:6]}")
         await produce(admin, T.name("remediation_requests"), forged.to_bytes(), forged_node.encode())
