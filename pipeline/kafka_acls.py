@@ -143,6 +143,22 @@ def strimzi_bindings(docs: list[dict]) -> dict[str, set[Acl]]:
     return out
 
 
+def kafka_acls_commands(bootstrap: str = "$BOOTSTRAP", command_config: str = "admin.properties") -> list[str]:
+    """The table as ``kafka-acls.sh`` commands, for clusters without Strimzi (MSK SCRAM, self-managed)."""
+    out = []
+    for p in principals():
+        for a in p.acls:
+            flag = {"topic": "--topic", "group": "--group"}.get(a.resource_type, "--cluster")
+            resource = f"{flag} {a.name}" if flag != "--cluster" else flag
+            out.append(f"kafka-acls.sh --bootstrap-server {bootstrap} --command-config {command_config} --add "
+                       f"--allow-principal User:{p.user} --operation {a.operation} {resource} "
+                       f"--resource-pattern-type {'prefixed' if a.pattern == 'prefix' else 'literal'}")
+    return out
+
+
 if __name__ == "__main__":
-    OUT.write_text(render_users())
-    print(f"wrote {OUT}", file=sys.stderr)
+    if sys.argv[1:] == ["kafka-acls"]:
+        print("\n".join(kafka_acls_commands()))
+    else:
+        OUT.write_text(render_users())
+        print(f"wrote {OUT}", file=sys.stderr)

@@ -344,3 +344,20 @@ def test_oauthbearer_passes_the_token_source() -> None:
                      "kafka.security.sasl.oauth.tokenCommand": "msk-token us-east-1"})
     env = env_of(container(one(docs, "Deployment", "-worker")))
     assert env["KAFKA_SASL_OAUTH_TOKEN_COMMAND"] == "msk-token us-east-1" and "KAFKA_SASL_USERNAME" not in env
+
+
+def test_fluent_bit_kafka_outputs_get_the_rdkafka_security_properties() -> None:
+    docs = render(KAFKA_SECURITY)
+    config = yaml.safe_load(one(docs, "ConfigMap", "-fluent-bit")["data"]["fluent-bit.yaml"])
+    outputs = [o for o in config["pipeline"]["outputs"] if o["name"] == "kafka"]
+    assert len(outputs) == 2
+    for out in outputs:
+        assert out["rdkafka.security.protocol"] == "sasl_ssl" and out["rdkafka.sasl.mechanisms"] == "SCRAM-SHA-512"
+        assert out["rdkafka.sasl.username"] == "xidflow-shipper"
+        assert out["rdkafka.sasl.password"] == "${KAFKA_SASL_PASSWORD}"
+        assert out["rdkafka.ssl.ca.location"] == "/etc/xidflow/kafka-tls/ca.crt"
+        assert out["rdkafka.request.required.acks"] == -1  # the rest of the output is untouched
+    ds = one(docs, "DaemonSet", "-fluent-bit")
+    env = env_of(container(ds))
+    assert env["KAFKA_SASL_PASSWORD"] == {"secretKeyRef": {"name": "xidflow-shipper", "key": "password"}}
+    assert "kafka-tls" in {m["name"] for m in container(ds)["volumeMounts"]}

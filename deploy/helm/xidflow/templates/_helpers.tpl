@@ -276,3 +276,36 @@ xidflow.dev/metrics: "true"
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+
+{{/* Fluent Bit (librdkafka) properties merged into each kafka output when Kafka is secured. */}}
+{{- define "xidflow.fluentBitKafkaSecurity" -}}
+{{- $sec := .Values.kafka.security -}}
+rdkafka.security.protocol: {{ lower $sec.protocol }}
+{{- if include "xidflow.kafkaPasswordUser" (list .) }}
+rdkafka.sasl.mechanisms: {{ $sec.sasl.mechanism }}
+rdkafka.sasl.username: {{ $sec.sasl.users.fluentBit.username | quote }}
+rdkafka.sasl.password: ${KAFKA_SASL_PASSWORD}
+{{- end }}
+{{- if include "xidflow.kafkaTlsOn" . }}
+rdkafka.ssl.endpoint.identification.algorithm: {{ ternary "https" "none" $sec.tls.checkHostname }}
+{{- if and $sec.tls.existingSecret $sec.tls.caKey }}
+rdkafka.ssl.ca.location: /etc/xidflow/kafka-tls/{{ $sec.tls.caKey }}
+{{- end }}
+{{- if and $sec.tls.existingSecret $sec.tls.certKey }}
+rdkafka.ssl.certificate.location: /etc/xidflow/kafka-tls/{{ $sec.tls.certKey }}
+rdkafka.ssl.key.location: /etc/xidflow/kafka-tls/{{ $sec.tls.keyKey }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "xidflow.fluentBitKafkaEnv" -}}
+{{- $sec := .Values.kafka.security -}}
+{{- if include "xidflow.kafkaPasswordUser" (list .) }}
+{{- $u := $sec.sasl.users.fluentBit }}
+- name: KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ required "kafka.security.sasl.users.fluentBit.existingSecret is required with SASL" $u.existingSecret | quote }}
+      key: {{ $u.passwordKey | quote }}
+{{- end }}
+{{- end -}}
