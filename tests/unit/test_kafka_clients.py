@@ -157,3 +157,25 @@ def test_token_command_and_file_sources(tmp_path: Path) -> None:
                 await by_cmd["sasl_oauth_token_provider"].token())
 
     assert asyncio.run(both()) == ("from-file", "from-cmd")
+
+
+def test_the_worker_command_refuses_bad_kafka_settings_naming_the_variable() -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    result = CliRunner().invoke(cli, ["worker", "--bootstrap", "127.0.0.1:1"],
+                                env={"KAFKA_SECURITY_PROTOCOL": "SASL_SSL", "KAFKA_SASL_MECHANISM": "PLAIN"})
+    assert result.exit_code != 0
+    assert "KAFKA_SASL_USERNAME" in result.output and "Traceback" not in result.output
+
+
+def test_local_env_lines_carry_the_secured_brokers_credentials() -> None:
+    from pipeline.localinfra.launcher import Endpoints
+
+    plain = Endpoints("127.0.0.1:1", "/k", "local", "local")
+    assert plain.env_lines() == "export KAFKA_BOOTSTRAP_SERVERS=127.0.0.1:1\nexport KUBECONFIG=/k\n"
+    secured = Endpoints("127.0.0.1:1", "/k", "local", "local", {"KAFKA_BOOTSTRAP_SERVERS": "127.0.0.1:1",
+                                                                "KAFKA_SASL_PASSWORD_FILE": "/s/admin.password"})
+    assert "export KAFKA_SASL_PASSWORD_FILE=/s/admin.password\n" in secured.env_lines()
+    assert secured.env_lines().count("KAFKA_BOOTSTRAP_SERVERS") == 1
