@@ -101,14 +101,16 @@ class RefreshingTokenProvider(AbstractTokenProvider):
         self._margin, self._lifetime, self._clock = refresh_margin_s, default_lifetime_s, clock
         self._token: Token | None = None
         self._lock: asyncio.Lock | None = None
+        self._lock_loop: asyncio.AbstractEventLoop | None = None
         self.fetches = 0
 
     def _fresh(self, now: float) -> bool:
         return self._token is not None and now < (self._token.expires_at or 0.0) - self._margin
 
     async def token(self) -> str:
-        if self._lock is None:
-            self._lock = asyncio.Lock()
+        loop = asyncio.get_running_loop()
+        if self._lock is None or self._lock_loop is not loop:  # one lock per event loop
+            self._lock, self._lock_loop = asyncio.Lock(), loop
         async with self._lock:
             now = self._clock()
             if not self._fresh(now):

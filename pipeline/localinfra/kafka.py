@@ -46,7 +46,9 @@ logger.started.level = INFO
 
 STARTED_MARK = "Kafka Server started"
 
-SECURITY_MODES = ("plaintext", "sasl_ssl")
+# "oauth_unsecured_test": SASL_PLAINTEXT + OAUTHBEARER with Kafka's *unsecured* JWT validator (any
+# well-formed unsigned token with sub and exp passes) -- for testing OAUTHBEARER clients, never a real setup.
+SECURITY_MODES = ("plaintext", "sasl_ssl", "oauth_unsecured_test")
 ADMIN_USER = "admin"
 BROKER_CN = "xidflow-kafka-broker"
 
@@ -291,7 +293,7 @@ class KafkaCluster:
         rf = min(3, len(self.nodes))
         min_isr = 2 if rf >= 3 else 1
         voters = ",".join(f"{n.node_id}@127.0.0.1:{n.controller_port}" for n in self.nodes)
-        listener = "SASL_SSL" if self.secured else "PLAINTEXT"
+        listener = {"sasl_ssl": "SASL_SSL", "oauth_unsecured_test": "SASL_PLAINTEXT"}.get(self.security, "PLAINTEXT")
         lines: dict[str, object] = {
             "process.roles": "broker,controller",
             "node.id": node.node_id,
@@ -321,6 +323,16 @@ class KafkaCluster:
         }
         if self.secured:
             lines.update(self._security_properties())
+        elif self.security == "oauth_unsecured_test":
+            lines.update({
+                "listener.security.protocol.map": "SASL_PLAINTEXT:SASL_PLAINTEXT,CONTROLLER:PLAINTEXT",
+                "inter.broker.listener.name": "SASL_PLAINTEXT",
+                "sasl.enabled.mechanisms": "OAUTHBEARER",
+                "sasl.mechanism.inter.broker.protocol": "OAUTHBEARER",
+                "listener.name.sasl_plaintext.oauthbearer.sasl.jaas.config":
+                    "org.apache.kafka.common.security.oauthbearer.OAuthBearerLoginModule required "
+                    'unsecuredLoginStringClaim_sub="broker";',
+            })
         return "".join(f"{k}={v}\n" for k, v in lines.items())
 
     def _java(self, dist: KafkaDist, node: KafkaNode, main: str, *args: str) -> list[str]:

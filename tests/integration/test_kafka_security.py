@@ -302,3 +302,52 @@ def test_local_up_with_sasl_ssl_prints_working_admin_credentials(kubeconfig: str
     finally:
         subprocess.run([sys.executable, "-m", "pipeline.cli", "local", "down", "--state-dir", str(state)],
                        cwd=REPO, env=env, capture_output=True, timeout=120)
+
+
+# -- OAUTHBEARER against a real broker (Kafka's unsecured JWT validator: checks form, sub and exp) -----
+def unsecured_jwt(sub: str, exp: float) -> str:
+    import base64
+
+    def b64(d: dict) -> str:
+        return base64.urlsafe_b64encode(orjson.dumps(d)).decode().rstrip("=")
+
+    return f"{b64({'alg': 'none'})}.{b64({'sub': sub, 'iat': int(time.time()) - 5, 'exp': int(exp)})}."
+
+
+@pytest.fixture(scope="module")
+def oauth_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+    cluster = KafkaCluster(tmp_path_factory.mktemp("kafka-oauth"), security="oauth_unsecured_test",
+                           log=lambda m: print(f"[oauth-kafka] {m}", flush=True))
+    try:
+        cluster.start()
+    except Exception as exc:  # noqa: BLE001
+        cluster.stop()
+        pytest.fail(f"OAUTHBEARER Kafka could not start: {exc}", pytrace=False)
+    yield cluster
+    cluster.stop()
+
+
+def test_oauthbearer_tokens_from_a_file_and_a_command(oauth_cluster: KafkaCluster, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(unsecured_jwt("xidflow-probe", time.time() + 600))
+    by_file = KafkaSettings(bootstrap_servers=oauth_cluster.bootstrap, security_protocol="SASL_PLAINTEXT",
+                            sasl_mechanism="OAUTHBEARER", sasl_oauth_token_file=token_file)
+    command = f"echo '{{\"token\": \"{unsecured_jwt('xidflow-api', time.time() + 600)}\", \"expires_in\": 600}}'"
+    by_command = by_file.model_copy(update={"sasl_oauth_token_file": None, "sasl_oauth_token_command": command})
+
+    async def round_trip() -> None:
+        await ensure_topics(oauth_cluster.bootstrap, ["oauth-check"], 1, settings=by_file)
+        await produce(by_file, "oauth-check", b"from-file", b"k")
+        await produce(by_command, "oauth-check", b"from-command", b"k")
+        assert set(await read_all(by_command, "oauth-check")) == {b"from-file", b"from-command"}
+
+    asyncio.run(round_trip())
+
+
+def test_oauthbearer_an_expired_token_is_refused_by_the_broker(oauth_cluster: KafkaCluster, tmp_path: Path) -> None:
+    token_file = tmp_path / "token"
+    token_file.write_text(unsecured_jwt("xidflow-probe", time.time() - 60))
+    expired = KafkaSettings(bootstrap_servers=oauth_cluster.bootstrap, security_protocol="SASL_PLAINTEXT",
+                            sasl_mechanism="OAUTHBEARER", sasl_oauth_token_file=token_file)
+    with pytest.raises((KafkaError, OSError)):
+        asyncio.run(asyncio.wait_for(produce(expired, "oauth-check", b"x", b"k"), 60))
