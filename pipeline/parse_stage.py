@@ -39,7 +39,7 @@ from aiokafka.errors import CommitFailedError, KafkaError
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients, metrics
+from pipeline import metrics
 from pipeline.settings import TopicNames
 from schemas.records import (
     Action,
@@ -470,6 +470,8 @@ class ParseStage:
 
     async def run(self, stop_after: int | None = None) -> StageCounters:
         """Run until ``stop()`` (or until ``stop_after`` records were processed, for benchmarks)."""
+        from pipeline import kafka_clients
+
         s = self.settings
         consumer = kafka_clients.consumer(
             bootstrap=self.bootstrap,
