@@ -361,3 +361,9 @@ def test_fluent_bit_kafka_outputs_get_the_rdkafka_security_properties() -> None:
     env = env_of(container(ds))
     assert env["KAFKA_SASL_PASSWORD"] == {"secretKeyRef": {"name": "xidflow-shipper", "key": "password"}}
     assert "kafka-tls" in {m["name"] for m in container(ds)["volumeMounts"]}
+
+
+def test_an_incomplete_sasl_setup_renders_and_is_left_to_the_process_to_refuse() -> None:
+    docs = render(**{"kafka.security.protocol": "SASL_SSL"})  # the process names KAFKA_SASL_MECHANISM at start
+    env = env_of(container(one(docs, "Deployment", "-worker")))
+    assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and "KAFKA_SASL_MECHANISM" not in env

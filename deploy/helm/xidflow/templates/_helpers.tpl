@@ -145,7 +145,7 @@ xidflow.dev/metrics: "true"
 {{- define "xidflow.kafkaPasswordUser" -}}
 {{- $root := index . 0 -}}
 {{- $sasl := $root.Values.kafka.security.sasl -}}
-{{- if and (hasPrefix "SASL_" $root.Values.kafka.security.protocol) (ne $sasl.mechanism "OAUTHBEARER") }}true{{ end -}}
+{{- if and (hasPrefix "SASL_" $root.Values.kafka.security.protocol) (has $sasl.mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512")) }}true{{ end -}}
 {{- end -}}
 
 {{- define "xidflow.signingSecretName" -}}
@@ -160,9 +160,9 @@ xidflow.dev/metrics: "true"
 {{- $sasl := $sec.sasl -}}
 - name: KAFKA_SECURITY_PROTOCOL
   value: {{ $sec.protocol | quote }}
-{{- if hasPrefix "SASL_" $sec.protocol }}
+{{- with $sasl.mechanism }}{{/* missing with SASL_*: the process refuses to start, naming KAFKA_SASL_MECHANISM */}}
 - name: KAFKA_SASL_MECHANISM
-  value: {{ required "kafka.security.sasl.mechanism is required with a SASL_* protocol" $sasl.mechanism | quote }}
+  value: {{ . | quote }}
 {{- end }}
 {{- if include "xidflow.kafkaPasswordUser" (list $root) }}
 {{- $u := index $sasl.users $c }}
