@@ -26,6 +26,7 @@ import mode
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline import kafka_clients
 from pipeline.aggregation import AggregationSettings
 from pipeline.parse_stage import ParseSettings, ParseStage
 from pipeline.settings import KafkaSettings, TopicNames
@@ -150,6 +151,7 @@ def create_app(
         web_enabled=False,
         autodiscover=False,
         table_cleanup_interval=3600.0,
+        **kafka_clients.faust_options(),  # TLS/SASL credentials, same as every other client
     )
     raw = {"key_serializer": "raw", "value_serializer": "raw"}
     fault_events = app.topic(topics.name("fault_events"), **raw)

@@ -26,6 +26,7 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.actuator.settings", "ActuatorSettings", "Actuator: remediation, safety rails (actuator)"),
     ("pipeline.actuator.api.settings", "ApiSettings", "Decision API (actuator, when tokens are configured)"),
     ("pipeline.actuator.notify", "NotifySettings", "Webhook notifications (actuator)"),
+    ("pipeline.actuator.signing", "SigningSettings", "Rescue request signing key (decision API and actuator)"),
 )
 
 OUT = Path(__file__).resolve().parent.parent / "docs" / "configuration.md"

@@ -4,18 +4,22 @@ from __future__ import annotations
 
 import logging
 
-from aiokafka.admin import AIOKafkaAdminClient, NewTopic
+from aiokafka.admin import NewTopic
+
+from pipeline import kafka_clients
+from pipeline.settings import KafkaSettings
 
 log = logging.getLogger("xidflow.kafka_admin")
 
 
-async def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1) -> int:
+async def ensure_topics(bootstrap: str, names: list[str], partitions: int, replication_factor: int = 1,
+                        settings: KafkaSettings | None = None) -> int:
     """Create missing topics; return the partition count of the first one (existing or created).
 
     The broker's auto-creation would make one-partition topics, which would break the node-keyed
     co-partitioning of fault events and the node-state changelog.
     """
-    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    admin = kafka_clients.admin(bootstrap=bootstrap, settings=settings)
     await admin.start()
     try:
         existing = set(await admin.list_topics())

@@ -253,11 +253,11 @@ class LokiTailBridge:
 
     async def run(self, stop: asyncio.Event | None = None) -> BridgeStats:
         """Tail until ``stop`` is set, reconnecting with backoff; returns the counters."""
-        from aiokafka import AIOKafkaProducer
+        from pipeline import kafka_clients
 
         stop = stop or asyncio.Event()
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap_servers,
+        producer = kafka_clients.producer(
+            bootstrap=self.bootstrap_servers,
             acks="all",
             enable_idempotence=True,
             linger_ms=5,

@@ -461,9 +461,11 @@ class ParseStage:
 
     async def run(self, stop_after: int | None = None) -> StageCounters:
         """Run until ``stop()`` (or until ``stop_after`` records were processed, for benchmarks)."""
+        from pipeline import kafka_clients
+
         s = self.settings
-        consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap,
+        consumer = kafka_clients.consumer(
+            bootstrap=self.bootstrap,
             group_id=self.group_id,
             client_id=self.client_id,
             enable_auto_commit=False,
@@ -474,8 +476,8 @@ class ParseStage:
             heartbeat_interval_ms=s.heartbeat_interval_ms,
             max_poll_interval_ms=300_000,
         )
-        producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap,
+        producer = kafka_clients.producer(
+            bootstrap=self.bootstrap,
             client_id=self.client_id,
             acks="all",
             enable_idempotence=True,

@@ -6,7 +6,10 @@ shares: where Kafka is and what the topics are called.
 
 from __future__ import annotations
 
-from pydantic import Field
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -35,12 +38,160 @@ class TopicNames(BaseSettings):
 
 
 class KafkaSettings(BaseSettings):
-    """Where the Kafka cluster is. ``KAFKA_BOOTSTRAP_SERVERS`` is the variable `xidflow local env` sets."""
+    """Where the Kafka cluster is and how to authenticate to it (every process, every client).
 
-    model_config = SettingsConfigDict(extra="ignore")
+    ``KAFKA_BOOTSTRAP_SERVERS`` (and, on a secured broker, the credentials) is what `xidflow local
+    env` prints. A combination that cannot work (SASL without a mechanism, a client key without
+    its certificate, two password sources, ...) is refused at start, naming the variable.
+    """
+
+    model_config = SettingsConfigDict(extra="ignore", populate_by_name=True, env_ignore_empty=True)
 
     bootstrap_servers: str = Field(
         default="127.0.0.1:9092",
         validation_alias="KAFKA_BOOTSTRAP_SERVERS",
         description="Comma-separated host:port list",
     )
+    security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
+        default="PLAINTEXT",
+        validation_alias="KAFKA_SECURITY_PROTOCOL",
+        description="PLAINTEXT, SSL (TLS, optionally mTLS), SASL_PLAINTEXT or SASL_SSL",
+    )
+    sasl_mechanism: Literal["PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512", "OAUTHBEARER"] | None = Field(
+        default=None,
+        validation_alias="KAFKA_SASL_MECHANISM",
+        description="SASL mechanism (required with SASL_*): PLAIN, SCRAM-SHA-256, SCRAM-SHA-512, OAUTHBEARER",
+    )
+    sasl_username: str | None = Field(
+        default=None, validation_alias="KAFKA_SASL_USERNAME", description="SASL user (PLAIN, SCRAM-*)"
+    )
+    sasl_password: SecretStr | None = Field(
+        default=None, validation_alias="KAFKA_SASL_PASSWORD",
+        description="SASL password (PLAIN, SCRAM-*); or use KAFKA_SASL_PASSWORD_FILE",
+    )
+    sasl_password_file: Path | None = Field(
+        default=None, validation_alias="KAFKA_SASL_PASSWORD_FILE",
+        description="File holding the SASL password (a mounted Secret); read at start",
+    )
+    sasl_oauth_token_file: Path | None = Field(
+        default=None, validation_alias="KAFKA_SASL_OAUTH_TOKEN_FILE",
+        description="OAUTHBEARER: file holding the token (JWT, or JSON token+expiry); re-read before expiry",
+    )
+    sasl_oauth_token_command: str | None = Field(
+        default=None, validation_alias="KAFKA_SASL_OAUTH_TOKEN_COMMAND",
+        description="OAUTHBEARER: shell command printing a token (same formats as the file); re-run before expiry",
+    )
+    sasl_oauth_refresh_margin_s: float = Field(
+        default=60.0, ge=0, validation_alias="KAFKA_SASL_OAUTH_REFRESH_MARGIN_S",
+        description="Fetch a new OAUTHBEARER token this long before the current one expires",
+    )
+    sasl_oauth_default_lifetime_s: float = Field(
+        default=300.0, gt=0, validation_alias="KAFKA_SASL_OAUTH_DEFAULT_LIFETIME_S",
+        description="Lifetime assumed for an OAUTHBEARER token that carries no expiry",
+    )
+    ssl_cafile: Path | None = Field(
+        default=None, validation_alias="KAFKA_SSL_CAFILE",
+        description="PEM CA bundle that signed the brokers' certificates (default: the system CAs)",
+    )
+    ssl_certfile: Path | None = Field(
+        default=None, validation_alias="KAFKA_SSL_CERTFILE", description="PEM client certificate (mTLS)",
+    )
+    ssl_keyfile: Path | None = Field(
+        default=None, validation_alias="KAFKA_SSL_KEYFILE", description="PEM client private key (mTLS)",
+    )
+    ssl_check_hostname: bool = Field(
+        default=True, validation_alias="KAFKA_SSL_CHECK_HOSTNAME",
+        description="Verify that the broker certificate names the host connected to",
+    )
+
+    api_sasl_username: str | None = Field(
+        default=None, validation_alias="KAFKA_API_SASL_USERNAME",
+        description="The decision API's own SASL user (the only writer of rescue requests); default: the process's",
+    )
+    api_sasl_password_file: Path | None = Field(
+        default=None, validation_alias="KAFKA_API_SASL_PASSWORD_FILE",
+        description="Password file of KAFKA_API_SASL_USERNAME (a mounted Secret)",
+    )
+
+    def for_api(self) -> KafkaSettings:
+        """The settings of the decision API's producer: its own principal when one is configured."""
+        if self.api_sasl_username is None:
+            return self
+        return self.model_copy(update={"sasl_username": self.api_sasl_username, "sasl_password": None,
+                                       "sasl_password_file": self.api_sasl_password_file})
+
+    @property
+    def uses_ssl(self) -> bool:
+        return self.security_protocol in ("SSL", "SASL_SSL")
+
+    @property
+    def uses_sasl(self) -> bool:
+        return self.security_protocol.startswith("SASL_")
+
+    @model_validator(mode="after")
+    def _coherent(self) -> KafkaSettings:
+        problems = kafka_settings_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    @field_validator("security_protocol", "sasl_mechanism", mode="before")
+    @classmethod
+    def _upper(cls, v: object) -> object:
+        return v.strip().upper() if isinstance(v, str) else v
+
+
+def kafka_settings_problems(s: KafkaSettings) -> list[str]:
+    """Every reason the combination cannot work, each naming the variable to fix."""
+    out: list[str] = []
+    proto = s.security_protocol
+    oauth_sources = [n for n, v in (("KAFKA_SASL_OAUTH_TOKEN_FILE", s.sasl_oauth_token_file),
+                                    ("KAFKA_SASL_OAUTH_TOKEN_COMMAND", s.sasl_oauth_token_command)) if v]
+    has_user = bool(s.sasl_username or s.sasl_password or s.sasl_password_file)
+    if s.uses_sasl:
+        if s.sasl_mechanism is None:
+            out.append(f"KAFKA_SASL_MECHANISM is required with KAFKA_SECURITY_PROTOCOL={proto}")
+        elif s.sasl_mechanism == "OAUTHBEARER":
+            if len(oauth_sources) != 1:
+                out.append("KAFKA_SASL_MECHANISM=OAUTHBEARER needs exactly one of KAFKA_SASL_OAUTH_TOKEN_FILE"
+                           f" or KAFKA_SASL_OAUTH_TOKEN_COMMAND (got {oauth_sources or 'neither'})")
+            if has_user:
+                out.append("KAFKA_SASL_USERNAME/KAFKA_SASL_PASSWORD[_FILE] do not apply to OAUTHBEARER; unset them")
+        else:
+            if not s.sasl_username:
+                out.append(f"KAFKA_SASL_USERNAME is required with KAFKA_SASL_MECHANISM={s.sasl_mechanism}")
+            if s.sasl_password is None and s.sasl_password_file is None:
+                out.append(f"KAFKA_SASL_PASSWORD or KAFKA_SASL_PASSWORD_FILE is required with "
+                           f"KAFKA_SASL_MECHANISM={s.sasl_mechanism}")
+            if s.sasl_password is not None and s.sasl_password_file is not None:
+                out.append("set only one of KAFKA_SASL_PASSWORD and KAFKA_SASL_PASSWORD_FILE")
+            if oauth_sources:
+                out.append(f"{oauth_sources[0]} applies only to KAFKA_SASL_MECHANISM=OAUTHBEARER")
+    else:
+        extra = [n for n, v in (("KAFKA_SASL_MECHANISM", s.sasl_mechanism), ("KAFKA_SASL_USERNAME", s.sasl_username),
+                                ("KAFKA_SASL_PASSWORD", s.sasl_password),
+                                ("KAFKA_SASL_PASSWORD_FILE", s.sasl_password_file)) if v] + oauth_sources
+        if extra:
+            out.append(f"{extra[0]} is set but KAFKA_SECURITY_PROTOCOL={proto} does not use SASL "
+                       "(use SASL_SSL or SASL_PLAINTEXT)")
+    if not s.uses_ssl:
+        extra = [n for n, v in (("KAFKA_SSL_CAFILE", s.ssl_cafile), ("KAFKA_SSL_CERTFILE", s.ssl_certfile),
+                                ("KAFKA_SSL_KEYFILE", s.ssl_keyfile)) if v]
+        if extra:
+            out.append(f"{extra[0]} is set but KAFKA_SECURITY_PROTOCOL={proto} does not use TLS (use SSL or SASL_SSL)")
+    if bool(s.ssl_certfile) != bool(s.ssl_keyfile):
+        have, need = ("KAFKA_SSL_CERTFILE", "KAFKA_SSL_KEYFILE") if s.ssl_certfile else (
+            "KAFKA_SSL_KEYFILE", "KAFKA_SSL_CERTFILE")
+        out.append(f"{need} is required with {have} (mTLS needs both the certificate and its key)")
+    if bool(s.api_sasl_username) != bool(s.api_sasl_password_file):
+        out.append("KAFKA_API_SASL_USERNAME and KAFKA_API_SASL_PASSWORD_FILE go together")
+    elif s.api_sasl_username and s.sasl_mechanism not in ("PLAIN", "SCRAM-SHA-256", "SCRAM-SHA-512"):
+        out.append("KAFKA_API_SASL_USERNAME needs KAFKA_SASL_MECHANISM PLAIN or SCRAM-*")
+    for name, path in (("KAFKA_SASL_PASSWORD_FILE", s.sasl_password_file),
+                       ("KAFKA_SASL_OAUTH_TOKEN_FILE", s.sasl_oauth_token_file),
+                       ("KAFKA_API_SASL_PASSWORD_FILE", s.api_sasl_password_file),
+                       ("KAFKA_SSL_CAFILE", s.ssl_cafile), ("KAFKA_SSL_CERTFILE", s.ssl_certfile),
+                       ("KAFKA_SSL_KEYFILE", s.ssl_keyfile)):
+        if path is not None and not path.is_file():
+            out.append(f"{name}={path}: no such file")
+    return out

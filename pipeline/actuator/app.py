@@ -7,6 +7,8 @@ import importlib
 import logging
 from typing import Any
 
+from pipeline import kafka_clients
+from pipeline.actuator import signing
 from pipeline.actuator.audit import Auditor, NotifierLike, default_worker_id, make_record
 from pipeline.actuator.breaker import Admission, Breaker, DrainSlots
 from pipeline.actuator.consumer import ActuatorConsumer
@@ -77,7 +79,7 @@ class Actuator:
             self.settings = self.settings.model_copy(update={"worker_id": default_worker_id()})
         if manual_only_from_api_settings():
             self.settings = self.settings.model_copy(update={"manual_only": True})
-        self.kafka = kafka or KafkaSettings()
+        self.kafka = kafka or kafka_clients.load_settings()  # refuses bad KAFKA_* naming the variable
         self.topics = topics or TopicNames()
         self.kube = Kube.from_config(kubeconfig, self.settings.api_concurrency)
         self.notifier = notifier if notifier is not None else load_notifier()
@@ -109,6 +111,8 @@ class Actuator:
             s.max_in_flight,
             s.commit_interval_seconds,
         )
+        self.consumer.refuse = lambda r, why: self.auditor.emit(  # issue 12: audit refused (unsigned) requests
+            signing.refusal(r.node_name, r.request_id, r.requested_by, why, s.worker_id))
         self._given_policies = policies is not None
 
     async def _release_plan(self, request_id: str) -> None:

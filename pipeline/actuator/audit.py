@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
 
-from pipeline import metrics
+from pipeline import kafka_clients, metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")
@@ -67,8 +67,8 @@ class Auditor:
         self._producer: AIOKafkaProducer | None = None
 
     async def start(self) -> None:
-        self._producer = AIOKafkaProducer(
-            bootstrap_servers=self.bootstrap_servers,
+        self._producer = kafka_clients.producer(
+            bootstrap=self.bootstrap_servers,
             acks="all",
             enable_idempotence=True,
             linger_ms=5,

@@ -20,6 +20,8 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from pydantic import ValidationError
 
+from pipeline import kafka_clients
+from pipeline.actuator import signing
 from pipeline.actuator.requests import RescueActionRequest
 from schemas.records import DeadLetter, NodeIncident, NodeRecovered
 
@@ -119,11 +121,14 @@ class ActuatorConsumer:
         self._stopping = asyncio.Event()
         self.processed = 0
         self.failed = False
+        # Proof of origin (issue 12): rescue requests must carry the decision API's signature.
+        self.verifier = signing.Verifier.from_settings()
+        self.refuse: Callable[[RescueActionRequest, str], Awaitable[None]] | None = None
 
     async def start(self) -> None:
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
-        self.consumer = AIOKafkaConsumer(
-            bootstrap_servers=self.bootstrap_servers,
+        self.consumer = kafka_clients.consumer(
+            bootstrap=self.bootstrap_servers,
             group_id=self.group_id,
             enable_auto_commit=False,
             auto_offset_reset="earliest",
@@ -131,7 +136,7 @@ class ActuatorConsumer:
             # New topics (and partitions) are noticed within seconds, not the 5-minute default.
             metadata_max_age_ms=5000,
         )
-        self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True)
+        self.producer = kafka_clients.producer(bootstrap=self.bootstrap_servers, acks="all", enable_idempotence=True)
         await self.producer.start()
         await self.consumer.start()
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
@@ -180,6 +185,12 @@ class ActuatorConsumer:
                 key=msg.key.decode("utf-8", "replace") if msg.key else None,
             )
             await self.producer.send_and_wait(self.deadletter_topic, letter.to_bytes(), key=msg.key)
+            self.tracker.done(tp, msg.offset)
+            return
+        if isinstance(record, RescueActionRequest) and (why := self.verifier.check(msg.key, msg.value, msg.headers)):
+            log.warning("refusing rescue request %s for %s: %s", record.request_id, record.node_name, why)
+            if self.refuse is not None:  # issue 12: an unsigned or forged request does nothing but its audit
+                await self.refuse(record, why)
             self.tracker.done(tp, msg.offset)
             return
         node = node_of(record)

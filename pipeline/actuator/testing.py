@@ -12,8 +12,9 @@ from collections.abc import Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
+from aiokafka import TopicPartition
 
+from pipeline import kafka_clients
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
 
@@ -108,7 +109,7 @@ async def delete_nodes(kube: Kube, names: Iterable[str], parallel: int = 32) -> 
 
 
 async def publish(bootstrap: str, topic: str, records: Iterable[Any]) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all", linger_ms=5)
+    producer = kafka_clients.producer(bootstrap=bootstrap, acks="all", linger_ms=5)
     await producer.start()
     try:
         futures = [
@@ -122,7 +123,7 @@ async def publish(bootstrap: str, topic: str, records: Iterable[Any]) -> None:
 
 async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[RemediationRecord]:
     """Every record on the audit topic so far (no group: reads from the beginning)."""
-    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False)
+    consumer = kafka_clients.consumer(bootstrap=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
         parts = consumer.partitions_for_topic(topic) or set()

@@ -32,8 +32,8 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
+from pipeline import kafka_clients
 from pipeline.kafka_admin import ensure_topics
 from pipeline.parse_stage import ParseSettings, ParseStage
 from pipeline.settings import TopicNames
@@ -115,7 +115,7 @@ def make_corpus(records: int, fault_ratio: float = 0.001, nodes: int = 64, seed:
 
 
 async def produce_all(bootstrap: str, topic: str, corpus: list[tuple[bytes, bytes]], progress: ProgressFn) -> None:
-    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, linger_ms=20, max_batch_size=512 * 1024, acks=1)
+    producer = kafka_clients.producer(bootstrap=bootstrap, linger_ms=20, max_batch_size=512 * 1024, acks=1)
     await producer.start()
     try:
         pending = []
@@ -143,9 +143,9 @@ def _rate(records: int, wall_s: float, cpu_s: float) -> Rate:
 
 async def raw_consume(bootstrap: str, topic: str, total: int, settings: ParseSettings, progress: ProgressFn) -> Rate:
     """Rate of a bare aiokafka consumer (same fetch settings as the parse stage): fetch and iterate."""
-    consumer = AIOKafkaConsumer(
+    consumer = kafka_clients.consumer(
         topic,
-        bootstrap_servers=bootstrap,
+        bootstrap=bootstrap,
         group_id=f"bench-raw-{uuid.uuid4().hex[:8]}",
         auto_offset_reset="earliest",
         enable_auto_commit=False,
@@ -264,9 +264,9 @@ async def latency(ctx: BenchContext) -> dict[str, Any]:
         stdout=subprocess.DEVNULL,
         stderr=worker_log,
     )
-    producer = AIOKafkaProducer(bootstrap_servers=ctx.bootstrap, linger_ms=1, acks=1)
-    consumer = AIOKafkaConsumer(
-        topics.name("incidents"), bootstrap_servers=ctx.bootstrap, auto_offset_reset="latest", group_id=None
+    producer = kafka_clients.producer(bootstrap=ctx.bootstrap, linger_ms=1, acks=1)
+    consumer = kafka_clients.consumer(
+        topics.name("incidents"), bootstrap=ctx.bootstrap, auto_offset_reset="latest", group_id=None
     )
     await producer.start()
     await consumer.start()

@@ -45,13 +45,15 @@ def install() -> None:
 @local.command()
 @click.option("--kafka-brokers", type=click.IntRange(1, 5), default=1, show_default=True,
               help="Number of Kafka brokers (KRaft, on loopback); use 3 for failure tests.")
+@click.option("--kafka-security", type=click.Choice(["plaintext", "sasl_ssl"]), default="plaintext", show_default=True,
+              help="sasl_ssl: SCRAM-SHA-512 over TLS, ACLs, one user per component (env prints the admin's).")
 @state_dir_option
-def up(kafka_brokers: int, state_dir: Path | None) -> None:
+def up(kafka_brokers: int, kafka_security: str, state_dir: Path | None) -> None:
     """Start Kafka and the API server in the background (endpoints from the environment win)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     t0 = time.monotonic()
     try:
-        endpoints = infra.up(kafka_brokers=kafka_brokers)
+        endpoints = infra.up(kafka_brokers=kafka_brokers, kafka_security=kafka_security)
     except (InstallError, StartError, OSError) as exc:
         err.print(f"[red]error:[/] could not start the local infrastructure: {exc}")
         sys.exit(1)

@@ -117,9 +117,9 @@ async def probe_loop(
             loop.add_signal_handler(sig, stop.set)
     producer = None
     if bootstrap_servers is not None:
-        from aiokafka import AIOKafkaProducer
+        from pipeline import kafka_clients
 
-        producer = AIOKafkaProducer(bootstrap_servers=bootstrap_servers, acks="all", enable_idempotence=True)
+        producer = kafka_clients.producer(bootstrap=bootstrap_servers, acks="all", enable_idempotence=True)
         await producer.start()
     failed_any = False
     try:

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
+from aiokafka import AIOKafkaProducer
 from kubernetes import client, config
 from rich.console import Console, Group
 from rich.live import Live
 from rich.panel import Panel
 from rich.table import Table
 
+from pipeline import kafka_clients
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
 from pipeline.demo.scenario import REBOOT_NODE_INDEX, STEPS, Emit, Step
@@ -130,7 +131,7 @@ class DemoRun:
         await ensure_topics(self.bootstrap, [self.topics.name(n) for n in names], partitions=4)
 
     async def follow_audit(self) -> None:
-        consumer = AIOKafkaConsumer(self.topics.name("remediation_audit"), bootstrap_servers=self.bootstrap,
+        consumer = kafka_clients.consumer(self.topics.name("remediation_audit"), bootstrap=self.bootstrap,
                                     auto_offset_reset="earliest")
         await consumer.start()
         try:
@@ -282,7 +283,7 @@ class DemoRun:
         con.print(f"started 1 worker and {self.actuators} actuator replicas (logs in {self.workdir})")
         audit_task = asyncio.create_task(self.follow_audit())
         pdb_task = asyncio.create_task(self._keep_pdb_status())
-        producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=5)
+        producer = kafka_clients.producer(bootstrap=self.bootstrap, acks="all", linger_ms=5)
         await producer.start()
         try:
             # The probe DaemonSet reports every node healthy on its current boot before anything breaks.

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import subprocess
 from dataclasses import dataclass, field
@@ -45,9 +46,12 @@ class Endpoints:
     kubeconfig: str
     kafka_source: str
     kube_source: str
+    kafka_env: dict[str, str] = field(default_factory=dict)  # credentials of a secured local Kafka (admin user)
 
     def env_lines(self) -> str:
-        return f"export KAFKA_BOOTSTRAP_SERVERS={self.kafka_bootstrap}\nexport KUBECONFIG={self.kubeconfig}\n"
+        extra = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.kafka_env.items()
+                        if k != "KAFKA_BOOTSTRAP_SERVERS")
+        return f"export KAFKA_BOOTSTRAP_SERVERS={self.kafka_bootstrap}\n{extra}export KUBECONFIG={self.kubeconfig}\n"
 
 
 @dataclass
@@ -93,7 +97,7 @@ class LocalInfra:
         return infra
 
     # -- lifecycle -------------------------------------------------------------------------
-    def up(self, kafka_brokers: int = 1, detach: bool = True) -> Endpoints:
+    def up(self, kafka_brokers: int = 1, detach: bool = True, kafka_security: str = "plaintext") -> Endpoints:
         """Start what is not already given; ``detach`` keeps containers alive after this process."""
         if self.endpoints and self.is_running():
             self.log("local infrastructure already running")
@@ -105,10 +109,11 @@ class LocalInfra:
         try:
             if env_kafka:
                 kafka_bootstrap, kafka_source = env_kafka, "environment (KAFKA_BOOTSTRAP_SERVERS)"
-            elif docker:
+            elif docker and kafka_security == "plaintext":
                 kafka_bootstrap, kafka_source = self._kafka_container(detach), "testcontainers (Docker)"
             else:
-                self.kafka = KafkaCluster(Path(self.state_dir) / "kafka", brokers=kafka_brokers, log=self.log)
+                self.kafka = KafkaCluster(Path(self.state_dir) / "kafka", brokers=kafka_brokers, log=self.log,
+                                          security=kafka_security)
                 self.save()
                 self.kafka.start()
                 kafka_bootstrap = self.kafka.bootstrap
@@ -130,7 +135,8 @@ class LocalInfra:
             self.save()
             self.down(quiet=True)
             raise
-        self.endpoints = Endpoints(kafka_bootstrap, kubeconfig, kafka_source, kube_source)
+        self.endpoints = Endpoints(kafka_bootstrap, kubeconfig, kafka_source, kube_source,
+                                   self.kafka.local_env() if self.kafka and self.kafka.secured else {})
         self.save()
         return self.endpoints
 

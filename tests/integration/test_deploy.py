@@ -152,6 +152,15 @@ def test_everything_enabled_passes_server_side_dry_run(k8s, dyn, crds, namespace
     assert sorted(unchecked) == [f"PrometheusRule/{release}-xidflow", f"ServiceMonitor/{release}-xidflow"]
 
 
+def test_secured_kafka_values_pass_server_side_dry_run(k8s, dyn, crds, namespace, release) -> None:  # noqa: ANN001
+    values = CHART / "ci" / "kafka-security-values.yaml"
+    docs = _docs(
+        helm_template(CHART, release=release, namespace=namespace, values_files=(values,), log=lambda _m: None)
+    )
+    assert len([d for d in docs if d["kind"] == "Deployment"]) == 3  # worker, actuator, loki-tail
+    assert dry_run_all(k8s, dyn, docs, namespace) == []
+
+
 def test_examples_pass_server_side_dry_run(k8s, dyn, crds, namespace) -> None:  # noqa: ANN001
     paths = sorted((ROOT / "deploy" / "examples").glob("*.yaml"))
     assert paths

@@ -18,6 +18,7 @@ from pipeline.localinfra.helm import helm_template
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "deploy" / "helm" / "xidflow"
 ALL_ENABLED = CHART / "ci" / "all-enabled-values.yaml"
+KAFKA_SECURITY = CHART / "ci" / "kafka-security-values.yaml"
 NS = "xf-system"
 
 
@@ -73,7 +74,9 @@ def test_default_install_has_every_component(default_docs: list[dict]) -> None:
     assert ("PodDisruptionBudget", "rel-xidflow-actuator") in kinds
     # optional parts are off by default
     assert not [k for k in kinds if k[1].endswith("loki-tail")]
-    assert not [k for k in kinds if k[0] in ("ServiceMonitor", "Secret", "RescuePolicy", "WarmStandbyPolicy")]
+    # (the request-signing key Secret is not optional: rescue requests are always signed)
+    assert not [k for k in kinds if k[0] in ("ServiceMonitor", "Secret", "RescuePolicy", "WarmStandbyPolicy")
+                and not k[1].endswith("-signing")]
     for d in default_docs:
         if d["kind"] not in ("ClusterRole", "ClusterRoleBinding", "ValidatingAdmissionPolicy",
                              "ValidatingAdmissionPolicyBinding"):
@@ -260,7 +263,7 @@ def test_optional_components(all_docs: list[dict]) -> None:
 
 def test_existing_secret_is_used_as_is() -> None:
     docs = render(**{"actuator.api.existingSecret": "my-tokens", "actuator.api.tokens.a": "b"})
-    assert not [d for d in docs if d["kind"] == "Secret"]
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-api-tokens")]
     vols = one(docs, "Deployment", "-actuator")["spec"]["template"]["spec"]["volumes"]
     assert {v["name"]: v for v in vols}["api-tokens"]["secret"]["secretName"] == "my-tokens"
 
@@ -279,3 +282,93 @@ def test_components_can_be_turned_off() -> None:
     docs = render(**{"worker.enabled": False, "probe.enabled": False, "fluentBit.enabled": False,
                      "actuator.enabled": False})
     assert docs == [], [d["kind"] + "/" + d["metadata"]["name"] for d in docs]
+
+
+# -- Kafka security (issue 12) ----------------------------------------------------------------------
+WORKLOADS = (("Deployment", "-worker", "xidflow-worker"), ("Deployment", "-actuator", "xidflow-actuator"),
+             ("DaemonSet", "-probe", "xidflow-probe"), ("Deployment", "-loki-tail", "xidflow-shipper"))
+
+
+def test_plaintext_by_default_and_a_signing_key_for_the_actuator(default_docs: list[dict]) -> None:
+    for kind, suffix in (("Deployment", "-worker"), ("Deployment", "-actuator"), ("DaemonSet", "-probe")):
+        env = env_of(container(one(default_docs, kind, suffix)))
+        assert env["KAFKA_SECURITY_PROTOCOL"] == "PLAINTEXT"
+        assert not [k for k in env if k.startswith(("KAFKA_SASL", "KAFKA_SSL"))]
+    actuator = one(default_docs, "Deployment", "-actuator")
+    assert env_of(container(actuator))["XIDFLOW_SIGNING_KEY_FILE"] == "/etc/xidflow/signing/key"
+    secret = one(default_docs, "Secret", "-signing")
+    assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep" and secret["data"]["key"]
+    vols = {v["name"]: v for v in actuator["spec"]["template"]["spec"]["volumes"]}
+    assert vols["signing"]["secret"]["secretName"] == secret["metadata"]["name"]
+
+
+def test_sasl_ssl_mounts_each_components_own_secret_and_the_ca() -> None:
+    docs = render(KAFKA_SECURITY)
+    assert not [d for d in docs if d["kind"] == "Secret" and d["metadata"]["name"].endswith("-signing")]
+    for kind, suffix, user in WORKLOADS:
+        w = one(docs, kind, suffix)
+        c = container(w)
+        env = env_of(c)
+        assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and env["KAFKA_SASL_MECHANISM"] == "SCRAM-SHA-512"
+        assert env["KAFKA_SASL_USERNAME"] == user
+        assert env["KAFKA_SASL_PASSWORD_FILE"] == "/etc/xidflow/kafka-sasl/password"
+        assert env["KAFKA_SSL_CAFILE"] == "/etc/xidflow/kafka-tls/ca.crt"
+        assert "KAFKA_SASL_PASSWORD" not in env  # secrets are files, never environment values
+        assert env["XIDFLOW_EXTRA_FROM_CONFIGMAP"] == {"configMapKeyRef": {"name": "xidflow-extra", "key": "value",
+                                                                           "optional": True}}
+        vols = {v["name"]: v for v in w["spec"]["template"]["spec"]["volumes"]}
+        assert vols["kafka-sasl"]["secret"]["secretName"] == user
+        assert vols["kafka-tls"]["secret"]["secretName"] == "xidflow-cluster-ca-cert"
+        assert "extra-ca" in vols
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        assert mounts["kafka-sasl"] == "/etc/xidflow/kafka-sasl" and mounts["extra-ca"] == "/etc/xidflow/extra-ca"
+    actuator = container(one(docs, "Deployment", "-actuator"))
+    env = env_of(actuator)
+    assert env["KAFKA_API_SASL_USERNAME"] == "xidflow-api"
+    vols = {v["name"]: v for v in one(docs, "Deployment", "-actuator")["spec"]["template"]["spec"]["volumes"]}
+    assert vols["kafka-sasl-api"]["secret"]["secretName"] == "xidflow-api"
+    assert vols["signing"]["secret"]["secretName"] == "xidflow-request-signing"
+
+
+def test_service_account_annotations_for_irsa_and_workload_identity() -> None:
+    docs = render(KAFKA_SECURITY)
+    irsa = {"eks.amazonaws.com/role-arn": "arn:aws:iam::123456789012:role/xidflow"}
+    for name in ("-actuator", "-probe", "-loki-tail"):
+        assert one(docs, "ServiceAccount", name)["metadata"]["annotations"] == irsa
+    assert one(docs, "ServiceAccount", "-worker")["metadata"]["annotations"] == {
+        **irsa, "iam.gke.io/gcp-service-account": "xidflow-worker@project.iam.gserviceaccount.com"}
+
+
+def test_sasl_without_a_secret_is_refused_at_render_time() -> None:
+    with pytest.raises(Exception, match="kafka.security.sasl.users.worker.existingSecret"):
+        render(**{"kafka.security.protocol": "SASL_SSL", "kafka.security.sasl.mechanism": "SCRAM-SHA-512"})
+
+
+def test_oauthbearer_passes_the_token_source() -> None:
+    docs = render(**{"kafka.security.protocol": "SASL_SSL", "kafka.security.sasl.mechanism": "OAUTHBEARER",
+                     "kafka.security.sasl.oauth.tokenCommand": "msk-token us-east-1"})
+    env = env_of(container(one(docs, "Deployment", "-worker")))
+    assert env["KAFKA_SASL_OAUTH_TOKEN_COMMAND"] == "msk-token us-east-1" and "KAFKA_SASL_USERNAME" not in env
+
+
+def test_fluent_bit_kafka_outputs_get_the_rdkafka_security_properties() -> None:
+    docs = render(KAFKA_SECURITY)
+    config = yaml.safe_load(one(docs, "ConfigMap", "-fluent-bit")["data"]["fluent-bit.yaml"])
+    outputs = [o for o in config["pipeline"]["outputs"] if o["name"] == "kafka"]
+    assert len(outputs) == 2
+    for out in outputs:
+        assert out["rdkafka.security.protocol"] == "sasl_ssl" and out["rdkafka.sasl.mechanisms"] == "SCRAM-SHA-512"
+        assert out["rdkafka.sasl.username"] == "xidflow-shipper"
+        assert out["rdkafka.sasl.password"] == "${KAFKA_SASL_PASSWORD}"
+        assert out["rdkafka.ssl.ca.location"] == "/etc/xidflow/kafka-tls/ca.crt"
+        assert out["rdkafka.request.required.acks"] == -1  # the rest of the output is untouched
+    ds = one(docs, "DaemonSet", "-fluent-bit")
+    env = env_of(container(ds))
+    assert env["KAFKA_SASL_PASSWORD"] == {"secretKeyRef": {"name": "xidflow-shipper", "key": "password"}}
+    assert "kafka-tls" in {m["name"] for m in container(ds)["volumeMounts"]}
+
+
+def test_an_incomplete_sasl_setup_renders_and_is_left_to_the_process_to_refuse() -> None:
+    docs = render(**{"kafka.security.protocol": "SASL_SSL"})  # the process names KAFKA_SASL_MECHANISM at start
+    env = env_of(container(one(docs, "Deployment", "-worker")))
+    assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and "KAFKA_SASL_MECHANISM" not in env

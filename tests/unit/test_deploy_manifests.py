@@ -56,6 +56,15 @@ def test_kafka_cluster_is_kraft_with_a_node_pool() -> None:
     assert [v for v in volumes if v.get("kraftMetadata") == "shared"]
 
 
+def test_kafka_listeners_all_authenticate_and_authorization_is_on() -> None:
+    kafka = {d["kind"]: d for d in _docs(DEPLOY / "strimzi" / "kafka.yaml")}["Kafka"]["spec"]["kafka"]
+    assert kafka["authorization"]["type"] == "simple"
+    assert all(lst["tls"] and lst.get("authentication") for lst in kafka["listeners"])
+    assert "scram-sha-512" in {lst["authentication"]["type"] for lst in kafka["listeners"]}
+    users = _docs(DEPLOY / "strimzi" / "users.yaml")
+    assert {u["metadata"]["labels"]["strimzi.io/cluster"] for u in users} == {"xidflow"}
+
+
 def test_every_default_topic_is_declared(topics: dict[str, dict]) -> None:
     names = TopicNames()
     expected = {getattr(names, f) for f in TopicNames.model_fields if f != "prefix"}

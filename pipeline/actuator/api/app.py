@@ -37,6 +37,7 @@ from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
 from pipeline import kafka_clients
+from pipeline.actuator import signing
 from pipeline.actuator.api.auth import TokenFileError, TokenStore
 from pipeline.actuator.api.openapi import (
     IDEMPOTENCY_KEY_HEADER,
@@ -113,6 +114,7 @@ def create_app(
     topic = names.name("remediation_requests")
     audit_topic = names.name("remediation_audit")
     document = openapi_document(settings)
+    signer = signing.Signer.from_settings()  # proof of origin (issue 12): every request record is signed
 
     async def audit_conflict(request: RescueActionRequest) -> None:
         log.warning(
@@ -175,7 +177,8 @@ def create_app(
                     topic,
                     value=parsed.to_bytes(),
                     key=parsed.node_name.encode(),
-                    headers=[("type", b"rescue_request"), ("request_id", parsed.request_id.encode())],
+                    headers=[("type", b"rescue_request"), ("request_id", parsed.request_id.encode()),
+                             *signer.headers(parsed.node_name.encode(), parsed.to_bytes())],
                 ),
                 timeout=settings.produce_timeout_seconds,
             )
@@ -209,7 +212,10 @@ def create_app(
 
 def make_producer(bootstrap: str | None = None) -> AIOKafkaProducer:
     """A producer whose acknowledgement means durable: acks from all in-sync replicas, idempotent."""
-    return kafka_clients.producer(bootstrap, acks="all", enable_idempotence=True)
+    # The API produces as its own principal: only it may write gpu.remediation.requests (issue 12's ACLs).
+    return kafka_clients.producer(
+        bootstrap, settings=kafka_clients.load_settings().for_api(), acks="all", enable_idempotence=True
+    )
 
 
 async def serve(app: web.Application, host: str, port: int) -> tuple[web.AppRunner, list[tuple[str, int]]]:

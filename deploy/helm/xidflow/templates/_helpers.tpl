@@ -135,3 +135,178 @@ xidflow.dev/metrics: "true"
 {{- end -}}
 {{- join "," $parts -}}
 {{- end -}}
+
+{{/* ---- Kafka security (issue 12): env, volumes and mounts of one component ------------------------
+     Each takes (list $ "<component key in kafka.security.sasl.users>" <component values>). Secrets are
+     mounted as files; the process reads them through KAFKA_*_FILE variables. */}}
+{{- define "xidflow.kafkaTlsOn" -}}
+{{- if has .Values.kafka.security.protocol (list "SSL" "SASL_SSL") }}true{{ end -}}
+{{- end -}}
+
+{{- define "xidflow.kafkaPasswordUser" -}}
+{{- $root := index . 0 -}}
+{{- $sasl := $root.Values.kafka.security.sasl -}}
+{{- if and (hasPrefix "SASL_" $root.Values.kafka.security.protocol) (has $sasl.mechanism (list "PLAIN" "SCRAM-SHA-256" "SCRAM-SHA-512")) }}true{{ end -}}
+{{- end -}}
+
+{{- define "xidflow.signingSecretName" -}}
+{{- default (include "xidflow.componentName" (list . "signing")) .Values.signing.existingSecret -}}
+{{- end -}}
+
+{{- define "xidflow.kafkaEnv" -}}
+{{- $root := index . 0 -}}
+{{- $c := index . 1 -}}
+{{- $own := index . 2 -}}
+{{- $sec := $root.Values.kafka.security -}}
+{{- $sasl := $sec.sasl -}}
+- name: KAFKA_SECURITY_PROTOCOL
+  value: {{ $sec.protocol | quote }}
+{{- with $sasl.mechanism }}{{/* missing with SASL_*: the process refuses to start, naming KAFKA_SASL_MECHANISM */}}
+- name: KAFKA_SASL_MECHANISM
+  value: {{ . | quote }}
+{{- end }}
+{{- if include "xidflow.kafkaPasswordUser" (list $root) }}
+{{- $u := index $sasl.users $c }}
+- name: KAFKA_SASL_USERNAME
+  value: {{ $u.username | quote }}
+- name: KAFKA_SASL_PASSWORD_FILE
+  value: /etc/xidflow/kafka-sasl/password
+{{- if eq $c "actuator" }}
+- name: KAFKA_API_SASL_USERNAME
+  value: {{ $sasl.users.api.username | quote }}
+- name: KAFKA_API_SASL_PASSWORD_FILE
+  value: /etc/xidflow/kafka-sasl-api/password
+{{- end }}
+{{- else if and (hasPrefix "SASL_" $sec.protocol) (eq $sasl.mechanism "OAUTHBEARER") }}
+{{- with $sasl.oauth.tokenFile }}
+- name: KAFKA_SASL_OAUTH_TOKEN_FILE
+  value: {{ . | quote }}
+{{- end }}
+{{- with $sasl.oauth.tokenCommand }}
+- name: KAFKA_SASL_OAUTH_TOKEN_COMMAND
+  value: {{ . | quote }}
+{{- end }}
+{{- end }}
+{{- if include "xidflow.kafkaTlsOn" $root }}
+{{- if and $sec.tls.existingSecret $sec.tls.caKey }}
+- name: KAFKA_SSL_CAFILE
+  value: /etc/xidflow/kafka-tls/{{ $sec.tls.caKey }}
+{{- end }}
+{{- if and $sec.tls.existingSecret $sec.tls.certKey }}
+- name: KAFKA_SSL_CERTFILE
+  value: /etc/xidflow/kafka-tls/{{ $sec.tls.certKey }}
+- name: KAFKA_SSL_KEYFILE
+  value: /etc/xidflow/kafka-tls/{{ required "kafka.security.tls.keyKey is required with certKey" $sec.tls.keyKey }}
+{{- end }}
+- name: KAFKA_SSL_CHECK_HOSTNAME
+  value: {{ $sec.tls.checkHostname | quote }}
+{{- end }}
+{{- if eq $c "actuator" }}
+- name: XIDFLOW_SIGNING_KEY_FILE
+  value: /etc/xidflow/signing/key
+{{- end }}
+{{- with $root.Values.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- with $own.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "xidflow.kafkaVolumes" -}}
+{{- $root := index . 0 -}}
+{{- $c := index . 1 -}}
+{{- $own := index . 2 -}}
+{{- $sec := $root.Values.kafka.security -}}
+{{- if and (include "xidflow.kafkaTlsOn" $root) $sec.tls.existingSecret }}
+- name: kafka-tls
+  secret: {secretName: {{ $sec.tls.existingSecret | quote }}, defaultMode: 0440}
+{{- end }}
+{{- if include "xidflow.kafkaPasswordUser" (list $root) }}
+{{- $u := index $sec.sasl.users $c }}
+- name: kafka-sasl
+  secret:
+    secretName: {{ required (printf "kafka.security.sasl.users.%s.existingSecret is required with SASL %s" $c $sec.sasl.mechanism) $u.existingSecret | quote }}
+    defaultMode: 0440
+    items: [{key: {{ $u.passwordKey | quote }}, path: password}]
+{{- if eq $c "actuator" }}
+{{- $api := $sec.sasl.users.api }}
+- name: kafka-sasl-api
+  secret:
+    secretName: {{ required "kafka.security.sasl.users.api.existingSecret is required with SASL" $api.existingSecret | quote }}
+    defaultMode: 0440
+    items: [{key: {{ $api.passwordKey | quote }}, path: password}]
+{{- end }}
+{{- end }}
+{{- if eq $c "actuator" }}
+- name: signing
+  secret:
+    secretName: {{ include "xidflow.signingSecretName" $root | quote }}
+    defaultMode: 0440
+    items: [{key: key, path: key}]
+{{- end }}
+{{- with $root.Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- with $own.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "xidflow.kafkaVolumeMounts" -}}
+{{- $root := index . 0 -}}
+{{- $c := index . 1 -}}
+{{- $own := index . 2 -}}
+{{- $sec := $root.Values.kafka.security -}}
+{{- if and (include "xidflow.kafkaTlsOn" $root) $sec.tls.existingSecret }}
+- {name: kafka-tls, mountPath: /etc/xidflow/kafka-tls, readOnly: true}
+{{- end }}
+{{- if include "xidflow.kafkaPasswordUser" (list $root) }}
+- {name: kafka-sasl, mountPath: /etc/xidflow/kafka-sasl, readOnly: true}
+{{- if eq $c "actuator" }}
+- {name: kafka-sasl-api, mountPath: /etc/xidflow/kafka-sasl-api, readOnly: true}
+{{- end }}
+{{- end }}
+{{- if eq $c "actuator" }}
+- {name: signing, mountPath: /etc/xidflow/signing, readOnly: true}
+{{- end }}
+{{- with $root.Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- with $own.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Fluent Bit (librdkafka) properties merged into each kafka output when Kafka is secured. */}}
+{{- define "xidflow.fluentBitKafkaSecurity" -}}
+{{- $sec := .Values.kafka.security -}}
+rdkafka.security.protocol: {{ lower $sec.protocol }}
+{{- if include "xidflow.kafkaPasswordUser" (list .) }}
+rdkafka.sasl.mechanisms: {{ $sec.sasl.mechanism }}
+rdkafka.sasl.username: {{ $sec.sasl.users.fluentBit.username | quote }}
+rdkafka.sasl.password: ${KAFKA_SASL_PASSWORD}
+{{- end }}
+{{- if include "xidflow.kafkaTlsOn" . }}
+rdkafka.ssl.endpoint.identification.algorithm: {{ ternary "https" "none" $sec.tls.checkHostname }}
+{{- if and $sec.tls.existingSecret $sec.tls.caKey }}
+rdkafka.ssl.ca.location: /etc/xidflow/kafka-tls/{{ $sec.tls.caKey }}
+{{- end }}
+{{- if and $sec.tls.existingSecret $sec.tls.certKey }}
+rdkafka.ssl.certificate.location: /etc/xidflow/kafka-tls/{{ $sec.tls.certKey }}
+rdkafka.ssl.key.location: /etc/xidflow/kafka-tls/{{ $sec.tls.keyKey }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "xidflow.fluentBitKafkaEnv" -}}
+{{- $sec := .Values.kafka.security -}}
+{{- if include "xidflow.kafkaPasswordUser" (list .) }}
+{{- $u := $sec.sasl.users.fluentBit }}
+- name: KAFKA_SASL_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ required "kafka.security.sasl.users.fluentBit.existingSecret is required with SASL" $u.existingSecret | quote }}
+      key: {{ $u.passwordKey | quote }}
+{{- end }}
+{{- end -}}
