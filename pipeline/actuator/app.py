@@ -1,4 +1,4 @@
-"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer."""
+"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer, Reconciler."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.policystore import PolicyStore
+from pipeline.actuator.reconciler import Reconciler
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import Outcome
@@ -109,6 +110,8 @@ class Actuator:
             s.max_in_flight,
             s.commit_interval_seconds,
         )
+        self.reconciler = Reconciler(self.engine, self.kube, s.gpu_node_selector, s.resync_seconds)
+        self.consumer.on_assigned = self.reconciler.assign
         self._given_policies = policies is not None
 
     async def _release_plan(self, request_id: str) -> None:
@@ -164,6 +167,7 @@ class Actuator:
             await self.notifier.start()
         self._consuming = consume
         if consume:
+            self.reconciler.start()
             await self.consumer.start()
 
     async def run(self) -> None:
@@ -172,6 +176,7 @@ class Actuator:
     async def stop(self) -> None:
         if getattr(self, "_consuming", False):
             await self.consumer.stop()
+            await self.reconciler.stop()
         await self.auditor.stop()
         if self.notifier is not None and hasattr(self.notifier, "stop"):
             await self.notifier.stop()
