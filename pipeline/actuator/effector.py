@@ -198,6 +198,7 @@ class LiveEffector:
                 reason = f"cancelled: {ledger.cancelled(flow)}"
                 skipped = {s.key: StepResult(Outcome.SKIPPED, reason, stop=StopReason.CANCELLED) for s in group}
                 return (NodeChange() if cancelled_now else None), skipped
+            self._touch(ctx, ledger, now)  # before the first mark: a new flow counts its attempt
             results: dict[str, StepResult] = {}
             spec: dict[str, Any] = {}
             cur = view
@@ -219,10 +220,7 @@ class LiveEffector:
                 self._log(ledger, flow, step.key, result, now)
                 results[step.key] = result
                 wrote = True
-            if not wrote:
-                return None, results
-            self._touch(ctx, ledger, now)
-            return NodeChange(spec=spec), results
+            return (NodeChange(spec=spec) if wrote else None), results
 
         label = f"{'+'.join(s.key for s in group)} {flow}"
         results, written = await self.writer.update(ctx.plan.node, mutate, label, ctx.view)

@@ -72,7 +72,7 @@ class Engine:
         breaker: Breaker,
         drains: DrainSlots,
     ) -> None:
-        self.kube, self.auditor, self.settings = kube, auditor, settings
+        self.auditor, self.settings = auditor, settings
         self.policies, self.breaker, self.drains = policies, breaker, drains
         self.worker = settings.worker_id or default_worker_id()
         self.writer = NodeWriter(kube, self.worker, settings.ledger_max_flows)
@@ -82,8 +82,18 @@ class Engine:
         # Called with a request id once its plan is done or abandoned, so the decision API's
         # pending-plans limit stops counting it (set by the Actuator when the API module is present).
         self.on_request_done: Callable[[str], Awaitable[None]] | None = None
+        self._live = live
         self._locks: dict[str, asyncio.Lock] = {}
         self._running: dict[str, FlowContext] = {}
+
+    @property
+    def kube(self) -> Kube:
+        return self.writer.kube
+
+    @kube.setter
+    def kube(self, kube: Kube) -> None:
+        """Swap the API client everywhere the engine reaches the cluster (tools and tests do)."""
+        self.writer.kube = self._live.kube = kube
 
     # -- one driver per node in this process -------------------------------------------------------------
     def _lock(self, node: str) -> asyncio.Lock:
