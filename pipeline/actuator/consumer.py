@@ -267,6 +267,8 @@ class _Rebalance(ConsumerRebalanceListener):
         self.owner = owner
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        if self.owner.on_assigned is not None:
+            self.owner.on_assigned(set(), 0)  # own no node while the group rebalances
         # Finish what we started and commit it, so the next owner does not replay much.
         await self.owner.drain(timeout_s=20)
         with contextlib.suppress(Exception):
