@@ -51,6 +51,8 @@ class FlowContext:
     on_durable: Callable[[], None] | None = None
     """Called once the flow is recorded on the node: its record may be committed from then on."""
     audits: list[asyncio.Future[None]] = field(default_factory=list)
+    last_group: bool = False
+    """The group running now is the flow's last: a clean end is recorded in the same ledger write."""
 
     @property
     def incident(self) -> NodeIncident | None:
@@ -125,6 +127,11 @@ class LiveEffector:
         kept = ctx.stored
         if kept is not None:
             ledger.open_flow(flow, kept, now)
+
+    @staticmethod
+    def _end_with(ctx: FlowContext, ledger: Ledger, results: dict[str, StepResult], now: float) -> None:
+        if ctx.last_group and all(r.stop is None for r in results.values()) and ledger.is_open(ctx.plan.flow_key):
+            ledger.finish(ctx.plan.flow_key, "done", now)
 
     def _log(self, ledger: Ledger, flow: str, key: str, result: StepResult, now: float) -> None:
         entry = {"by": self.worker, "at": now, "outcome": result.outcome.value, "reason": result.reason}
@@ -220,6 +227,8 @@ class LiveEffector:
                 self._log(ledger, flow, step.key, result, now)
                 results[step.key] = result
                 wrote = True
+            if wrote:
+                self._end_with(ctx, ledger, results, now)
             return (NodeChange(spec=spec) if wrote else None), results
 
         label = f"{'+'.join(s.key for s in group)} {flow}"
@@ -240,6 +249,7 @@ class LiveEffector:
                     ledger.own(effect, flow)
                 for name, value in result.values.items():
                     ledger.set_flow_value(flow, name, value, now)
+            self._end_with(ctx, ledger, done, now)
             return NodeChange(), None
 
         _, written = await self.writer.update(ctx.plan.node, mutate, f"{'+'.join(done)} {flow}", ctx.view)

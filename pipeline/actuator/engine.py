@@ -269,6 +269,7 @@ class Engine:
                 for step in group:
                     self._audit(ctx, step.key, StepResult(Outcome.SKIPPED, f"flow stopped earlier: {stop.reason}"))
                 continue
+            ctx.last_group = index == len(groups) - 1
             results = await self.effector.run_group(ctx, group)
             if any(s.quarantining for s in group):
                 API_PRIORITY.set(1)
