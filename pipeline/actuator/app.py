@@ -175,8 +175,9 @@ class Actuator:
 
     async def stop(self) -> None:
         if getattr(self, "_consuming", False):
-            await self.consumer.stop()
+            # The reconciler first: the long steps it drives hand their leases over before we leave the group.
             await self.reconciler.stop()
+            await self.consumer.stop()
         await self.auditor.stop()
         if self.notifier is not None and hasattr(self.notifier, "stop"):
             await self.notifier.stop()

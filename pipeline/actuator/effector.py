@@ -11,6 +11,7 @@ a replica that vanished is replaced within one lease period. ``DryRunEffector`` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import logging
 import time
@@ -320,7 +321,7 @@ class LiveEffector:
         ctx.wrote(written)
         return claimed
 
-    async def _release(self, ctx: FlowContext, step: Step, result: StepResult) -> None:
+    async def _release(self, ctx: FlowContext, step: Step, result: StepResult, log_it: bool = True) -> None:
         flow = ctx.plan.flow_key
 
         def mutate(view: NodeView, ledger: Ledger) -> tuple[NodeChange | None, None]:
@@ -328,7 +329,8 @@ class LiveEffector:
             if claim.get("by") != self.worker:
                 return None, None
             ledger.release(flow, step.key)
-            self._log(ledger, flow, step.key, result, time.time())
+            if log_it:
+                self._log(ledger, flow, step.key, result, time.time())
             return NodeChange(), None
 
         _, written = await self.writer.update(ctx.plan.node, mutate, f"release {step.key} {flow}")
@@ -374,7 +376,16 @@ class LiveEffector:
         renewer = asyncio.ensure_future(self._renew(ctx, step, lost))
         watchers = [asyncio.ensure_future(lost.wait()), asyncio.ensure_future(ctx.cancelled.wait())]
         try:
-            await asyncio.wait([runner, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            try:
+                await asyncio.wait([runner, *watchers], return_when=asyncio.FIRST_COMPLETED)
+            except asyncio.CancelledError:
+                # Shutting down (SIGTERM, rebalance): hand the step over now instead of after the lease.
+                runner.cancel()
+                await asyncio.gather(runner, return_exceptions=True)
+                stopped = StepResult(Outcome.SKIPPED, "replica stopping", stop=StopReason.LEASE_LOST)
+                with contextlib.suppress(Exception):
+                    await asyncio.wait_for(asyncio.shield(self._release(ctx, step, stopped, log_it=False)), 5)
+                raise
             if runner.done():
                 result = self._outcome(ctx, step, runner)
             else:
