@@ -6,9 +6,10 @@ the lapsed lease and finishes the flow. Evictions, Events, taints and hook Jobs 
 doubled, and the drain slot is released. A person's uncordon and a RescuePolicy edit are seen by
 watch while replicas run.
 
-Set ``XIDFLOW_FAILOVER_TIMINGS=<file>`` to append the time from SIGKILL to the step resumed on the
-survivor (one JSON line per run), for the report; nothing here asserts on a duration. The leases are
-short here (6 s) unless ``XIDFLOW_FAILOVER_LEASE_SECONDS`` says otherwise.
+``XIDFLOW_FAILOVER_RUNS=10`` repeats the drain kill test. Set ``XIDFLOW_FAILOVER_TIMINGS=<file>`` to
+append the time from SIGKILL to the step resumed on the survivor (one JSON line per run), for the
+report; nothing here asserts on a duration. The leases are short here (6 s) unless
+``XIDFLOW_FAILOVER_LEASE_SECONDS`` says otherwise.
 """
 
 from __future__ import annotations
@@ -216,8 +217,9 @@ async def guarded_pods(env: Env, node: str) -> tuple[str, int]:
     return ns, generation
 
 
+@pytest.mark.parametrize("run", range(int(os.environ.get("XIDFLOW_FAILOVER_RUNS", "1"))))
 async def test_survivor_finishes_a_drain_whose_replica_was_killed(
-    env: Env, kubeconfig: str, tmp_path: Path
+    env: Env, kubeconfig: str, tmp_path: Path, run: int
 ) -> None:
     (node,) = await env.make_nodes(1)
     ns, generation = await guarded_pods(env, node)
