@@ -46,6 +46,8 @@ class FlowContext:
     view: NodeView
     record: NodeIncident | RescueActionRequest | None = None
     resumed: bool = False
+    reopen: bool = False
+    """The record is a newer revision of a recorded flow (an escalation): its plan replaces the old one."""
     breaker_refused: str | None = None
     cancelled: asyncio.Event = field(default_factory=asyncio.Event)
     """Set when a person took over while the flow runs (manual uncordon seen by the watch)."""
@@ -58,6 +60,10 @@ class FlowContext:
     @property
     def incident(self) -> NodeIncident | None:
         return self.record if isinstance(self.record, NodeIncident) else None
+
+    @property
+    def revision(self) -> int:
+        return self.record.revision if isinstance(self.record, NodeIncident) else 0
 
     @property
     def stored(self) -> dict[str, Any] | None:
@@ -127,7 +133,7 @@ class LiveEffector:
             ledger.record_attempt(now, self.settings.attempt_window_seconds)
         kept = ctx.stored
         if kept is not None:
-            ledger.open_flow(flow, kept, now)
+            ledger.open_flow(flow, kept, now, ctx.revision, replace=ctx.reopen)
 
     @staticmethod
     def _end_with(ctx: FlowContext, ledger: Ledger, results: dict[str, StepResult], now: float) -> None:

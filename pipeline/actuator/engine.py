@@ -143,18 +143,22 @@ class Engine:
             await self._audit_now(record.node, flow, "decide", Outcome.SKIPPED, "node not found")
             await self._request_done(record)
             return
-        if on_durable is not None and flow in view.ledger.flows:
+        ledger = view.ledger
+        revision = record.revision if isinstance(record, NodeIncident) else 0
+        known = flow in ledger.flows
+        newer = known and revision > ledger.revision(flow)  # an escalation of a recorded incident
+        if on_durable is not None and known and not newer:
             on_durable()  # recorded before (a redelivery): nothing here holds the partition back
             on_durable = None
         view = await self._reconcile_manual_uncordon(view)
-        kept = plan_from_ledger(view, flow, self.settings) if view.ledger.is_open(flow) else None
+        kept = plan_from_ledger(view, flow, self.settings) if view.ledger.is_open(flow) and not newer else None
         if kept is not None:
             plan = kept[0]  # the flow was recorded when it started: the same steps, whatever the policy now
         elif isinstance(record, NodeIncident):
             plan = plan_incident(record, self.policies.current, view, self.settings, time.time())
         else:
             plan = plan_request(record, view, self.settings)
-        ctx = FlowContext(plan=plan, view=view, record=record, on_durable=on_durable)
+        ctx = FlowContext(plan=plan, view=view, record=record, on_durable=on_durable, reopen=newer)
         status = await self.run_plan(ctx)
         if status.end != FlowEnd.HELD:
             await self._request_done(record)

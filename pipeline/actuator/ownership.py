@@ -137,13 +137,25 @@ class Ledger:
         return (self.flows.get(flow_key) or {}).get(name)
 
     # -- open flows (level-triggered state) ---------------------------------------------------------
-    def open_flow(self, flow_key: str, plan: dict[str, Any], now: float) -> bool:
-        """Record what the flow must go through; False when it was recorded before (kept as it was)."""
+    def open_flow(self, flow_key: str, plan: dict[str, Any], now: float, rev: int = 0, replace: bool = False) -> bool:
+        """Record what the flow must go through; False when it was recorded before (kept as it was).
+
+        ``replace`` records a newer revision of the flow's record (an escalated incident): the new
+        plan replaces the old one and a finished flow is open again.
+        """
         flow = self.flow(flow_key, now)
         if "plan" in flow or "fin" in flow:
-            return False
+            if not replace or (flow.get("plan") == plan and "fin" not in flow):
+                return False
         flow["plan"] = plan
+        flow["rev"] = rev
+        flow.pop("fin", None)
+        flow.pop("status", None)
         return True
+
+    def revision(self, flow_key: str) -> int:
+        """Revision of the record the flow was last planned from (0 when unknown)."""
+        return int((self.flows.get(flow_key) or {}).get("rev") or 0)
 
     def is_open(self, flow_key: str) -> bool:
         flow = self.flows.get(flow_key) or {}

@@ -80,6 +80,9 @@ class Replicas:
         self.logs: dict[str, Path] = {}
 
     def start(self, worker: str, log_dir: Path) -> None:
+        if keep := os.environ.get("XIDFLOW_FAILOVER_LOGDIR"):  # replica logs kept after the session
+            log_dir = Path(keep) / self.group
+            log_dir.mkdir(parents=True, exist_ok=True)
         self.logs[worker] = log_dir / f"{worker}.log"
         out = self.logs[worker].open("wb")
         self.procs[worker] = subprocess.Popen(

@@ -122,3 +122,13 @@ def test_a_node_needs_attention_for_an_open_flow_or_a_removed_cordon_of_ours() -
 
 def test_stop_reasons_are_typed() -> None:
     assert {r.value for r in StopReason} == {"cancelled", "failed", "held", "lease-lost"}
+
+
+def test_a_newer_revision_replaces_the_plan_and_reopens_a_finished_flow() -> None:
+    ledger = Ledger()
+    assert ledger.open_flow("f", {"steps": [1]}, NOW, rev=1)
+    assert not ledger.open_flow("f", {"steps": [1]}, NOW, rev=1)  # a redelivery changes nothing
+    ledger.finish("f", "done", NOW + 1)
+    assert not ledger.open_flow("f", {"steps": [1]}, NOW + 2, rev=1)
+    assert ledger.open_flow("f", {"steps": [1, 2]}, NOW + 3, rev=2, replace=True)
+    assert ledger.is_open("f") and ledger.revision("f") == 2 and ledger.stored_plan("f") == {"steps": [1, 2]}
