@@ -17,12 +17,13 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Final, get_args
+from typing import Annotated, Any, Final
 
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic_core import ErrorDetails, PydanticCustomError
 
+from pipeline.actuator.actions import ACTION_NAMES, names
 from schemas.records import RescueAction, RescueActionName, RescueActionRequest, stable_id
 
 __all__ = [
@@ -36,7 +37,8 @@ __all__ = [
     "parse_rescue_request",
 ]
 
-RESCUE_ACTION_NAMES: Final[tuple[str, ...]] = get_args(RescueActionName)
+# From the action registry (which checks that ``RescueActionName`` lists exactly these).
+RESCUE_ACTION_NAMES: Final[tuple[str, ...]] = tuple(n for n in ACTION_NAMES if n in names(requestable=True))
 
 MAX_ACTIONS: Final = 16
 MAX_WAIT_SECONDS: Final = 7 * 86400
