@@ -13,10 +13,10 @@ from __future__ import annotations
 import hashlib
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, TypeAdapter, field_validator
 
 SCHEMA_VERSION = 1
 
@@ -229,6 +229,60 @@ class NodeRecovered(Record):
     boot_id: str | None = None
     recovered_at: datetime = Field(default_factory=utcnow)
     detail: str = ""
+
+
+RescueActionName = Literal["cordon", "drain", "reboot", "enableWarmStandby", "unCordon"]
+"""Actions a third party may request; the actuator's action registry checks it offers each of them."""
+
+
+class RescueAction(BaseModel):
+    """One step of a plan in the record: the action and the seconds to wait after it."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    name: RescueActionName
+    waittime: int = Field(default=0, ge=0)
+
+
+class RescueActionRequest(Record):
+    """A third-party plan for one node, on ``gpu.remediation.requests`` keyed by ``node_name``.
+
+    ``request_id`` is the idempotency key of the whole plan: the actuator executes each id once, so a
+    client retry (same ``Idempotency-Key``) or a redelivery never runs a plan twice.
+    """
+
+    type: Literal["rescue_request"] = "rescue_request"
+    request_id: str = Field(description="Deterministic: from the Idempotency-Key, else from the body and received_at")
+    node_name: str
+    xid: int
+    escalate_time: datetime
+    actions: list[RescueAction] = Field(min_length=1)
+    received_at: datetime
+    requested_by: str = Field(description="Name of the API token that made the request")
+    idempotency_key: str | None = None
+
+    @property
+    def node(self) -> str:
+        return self.node_name
+
+    @property
+    def total_wait_seconds(self) -> int:
+        return sum(action.waittime for action in self.actions)
+
+
+def _record_type(value: Any) -> str | None:
+    return value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+
+
+ActuatorInput = Annotated[
+    Annotated[NodeIncident, Tag("incident")]
+    | Annotated[NodeRecovered, Tag("recovered")]
+    | Annotated[RescueActionRequest, Tag("rescue_request")],
+    Discriminator(_record_type),
+]
+"""Everything the actuator consumes: incidents and recoveries (incidents topic), rescue requests."""
+
+ACTUATOR_INPUT: TypeAdapter[NodeIncident | NodeRecovered | RescueActionRequest] = TypeAdapter(ActuatorInput)
 
 
 class HealthCheckResult(Record):

@@ -1,4 +1,4 @@
-"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer."""
+"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer, Reconciler."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.policystore import PolicyStore
+from pipeline.actuator.reconciler import Reconciler
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import Outcome
@@ -113,6 +114,8 @@ class Actuator:
         )
         self.consumer.refuse = lambda r, why: self.auditor.emit(  # issue 12: audit refused (unsigned) requests
             signing.refusal(r.node_name, r.request_id, r.requested_by, why, s.worker_id))
+        self.reconciler = Reconciler(self.engine, self.kube, s.gpu_node_selector, s.resync_seconds)
+        self.consumer.on_assigned = self.reconciler.assign
         self._given_policies = policies is not None
 
     async def _release_plan(self, request_id: str) -> None:
@@ -169,6 +172,7 @@ class Actuator:
             await self.notifier.start()
         self._consuming = consume
         if consume:
+            self.reconciler.start()
             await self.consumer.start()
 
     async def run(self) -> None:
@@ -177,6 +181,8 @@ class Actuator:
     async def stop(self) -> None:
         await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
+            # The reconciler first: the long steps it drives hand their leases over before we leave the group.
+            await self.reconciler.stop()
             await self.consumer.stop()
         await self.auditor.stop()
         if self.notifier is not None and hasattr(self.notifier, "stop"):

@@ -281,6 +281,16 @@ class DrainSlots:
             # Another replica's drain must finish; its slot lives in the API server, not in this process.
             await asyncio.sleep(poll * random.uniform(0.5, 1.5))
 
+    async def renew(self, node: str, worker: str) -> None:
+        """Keep our slot fresh while the drain runs; a slot nobody renews is free after ``stale_after``."""
+
+        def mutate(state: dict[str, Any]) -> None:
+            slot = (state.get("slots") or {}).get(node)
+            if slot and slot.get("by") == worker:
+                slot["at"] = time.time()
+
+        await update_json_configmap(self.kube, self.namespace, self.name, mutate)
+
     async def release(self, node: str) -> None:
         def mutate(state: dict[str, Any]) -> None:
             (state.get("slots") or {}).pop(node, None)

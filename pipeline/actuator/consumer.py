@@ -2,9 +2,11 @@
 
 Records of one node are handled in order, one at a time (one in-flight flow per node); different
 nodes are handled concurrently. An offset is committed only when it and every earlier offset of its
-partition are done - their effects applied and their audit records acknowledged - so a crash
-replays, never skips (the effects are idempotent). Undecodable records go to the dead-letter topic
-before their offset counts as done.
+partition are done - their flow recorded on the node (from then on the reconciler of whichever
+replica owns the node finishes it) or, for a record that starts no flow, its effects applied and
+audited - so a crash replays, never skips (the effects are idempotent), and a long wait inside a flow
+does not hold back its partition. Undecodable records go to the dead-letter topic before their offset
+counts as done.
 """
 
 from __future__ import annotations
@@ -22,8 +24,10 @@ from pydantic import ValidationError
 
 from pipeline import kafka_clients
 from pipeline.actuator import signing
-from pipeline.actuator.requests import RescueActionRequest
-from schemas.records import DeadLetter, NodeIncident, NodeRecovered
+from schemas.records import ACTUATOR_INPUT, DeadLetter, NodeIncident, NodeRecovered, RescueActionRequest
+
+ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest
+Handler = Callable[[ActuatorRecord, Callable[[], None]], Awaitable[None]]
 
 log = logging.getLogger("xidflow.actuator.consumer")
 
@@ -67,7 +71,10 @@ class OffsetTracker:
             self._committed.pop(tp, None)
 
 
-def decode_record(topic_kind: str, value: bytes) -> Any:
+_TOPIC_TYPES = {"incidents": ("incident", "recovered"), "requests": ("rescue_request",)}
+
+
+def decode_record(topic_kind: str, value: bytes) -> ActuatorRecord:
     """An incident-topic record (by its ``type``) or a rescue request; raises ValueError if neither."""
     try:
         data = orjson.loads(value)
@@ -75,21 +82,22 @@ def decode_record(topic_kind: str, value: bytes) -> Any:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError("not a JSON object")
+    if topic_kind == "requests":
+        data.setdefault("type", "rescue_request")
+    if data.get("type") not in _TOPIC_TYPES[topic_kind]:
+        raise ValueError(f"unknown record type {data.get('type')!r}")
     try:
-        if topic_kind == "requests":
-            return RescueActionRequest.model_validate(data)
-        kind = data.get("type")
-        if kind == "incident":
-            return NodeIncident.model_validate(data)
-        if kind == "recovered":
-            return NodeRecovered.model_validate(data)
+        return _validate(data)
     except ValidationError as exc:
-        raise ValueError(f"invalid {data.get('type')}: {exc.errors()[0]['msg']} at {exc.errors()[0]['loc']}") from None
-    raise ValueError(f"unknown record type {data.get('type')!r}")
+        first = exc.errors()[0]
+        raise ValueError(f"invalid {data.get('type')}: {first['msg']} at {first['loc']}") from None
 
 
-def node_of(record: Any) -> str:
-    return getattr(record, "node", None) or record.node_name
+_validate = ACTUATOR_INPUT.validate_python
+
+
+def node_of(record: ActuatorRecord) -> str:
+    return record.node
 
 
 class ActuatorConsumer:
@@ -102,7 +110,7 @@ class ActuatorConsumer:
         incidents_topic: str,
         requests_topic: str,
         deadletter_topic: str,
-        handle: Callable[[Any], Awaitable[None]],
+        handle: Handler,
         max_in_flight: int = 5000,
         commit_interval: float = 0.5,
     ) -> None:
@@ -119,6 +127,8 @@ class ActuatorConsumer:
         self._workers: dict[str, asyncio.Task[None]] = {}
         self._commit_lock = asyncio.Lock()
         self._stopping = asyncio.Event()
+        # Told which incident partitions this replica owns (the reconciler's sharding).
+        self.on_assigned: Callable[[set[int], int], None] | None = None
         self.processed = 0
         self.failed = False
         # Proof of origin (issue 12): rescue requests must carry the decision API's signature.
@@ -210,15 +220,16 @@ class ActuatorConsumer:
                     self._workers.pop(node, None)
                     return
                 continue
+            durable = _Once(self.tracker, tp, offset)
             try:
-                await self.handle(record)
+                await self.handle(record, durable)
             except Exception:
                 # Unexpected bug: the record is retried by the next consumer after a restart, not skipped.
                 log.exception("handling %s for %s failed; not committing it", record.type, node)
                 self.failed = True
                 self._stopping.set()
                 raise
-            self.tracker.done(tp, offset)
+            durable()
             self.processed += 1
 
     async def commit(self) -> None:
@@ -250,11 +261,25 @@ class ActuatorConsumer:
             await asyncio.sleep(0.05)
 
 
+class _Once:
+    """Marks one offset done, once: when its flow is recorded on the node, or when it is handled."""
+
+    def __init__(self, tracker: OffsetTracker, tp: TopicPartition, offset: int) -> None:
+        self.tracker, self.tp, self.offset, self.fired = tracker, tp, offset, False
+
+    def __call__(self) -> None:
+        if not self.fired:
+            self.fired = True
+            self.tracker.done(self.tp, self.offset)
+
+
 class _Rebalance(ConsumerRebalanceListener):
     def __init__(self, owner: ActuatorConsumer) -> None:
         self.owner = owner
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        if self.owner.on_assigned is not None:
+            self.owner.on_assigned(set(), 0)  # own no node while the group rebalances
         # Finish what we started and commit it, so the next owner does not replay much.
         await self.owner.drain(timeout_s=20)
         with contextlib.suppress(Exception):
@@ -262,4 +287,10 @@ class _Rebalance(ConsumerRebalanceListener):
         self.owner.tracker.forget(list(revoked))
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
-        return None
+        owner = self.owner
+        if owner.on_assigned is None or owner.consumer is None:
+            return
+        incidents = next(t for t, kind in owner.topics.items() if kind == "incidents")
+        count = len(owner.consumer.partitions_for_topic(incidents) or ())
+        mine = {tp.partition for tp in owner.consumer.assignment() if tp.topic == incidents}
+        owner.on_assigned(mine, count)

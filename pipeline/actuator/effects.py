@@ -2,8 +2,8 @@
 
 Node-object effects (cordon, taint, uncordon, reboot annotation) are pure changes on a NodeView and
 its Ledger: the engine writes the change and the ledger in one conditional patch, so the effect and
-its record land together or not at all. The other effects (condition, Event, drain, hooks, standby)
-do their own I/O through ``Kube`` and are made idempotent by deterministic names or claims.
+its record land together or not at all. The other effects (condition, Event, hooks, standby) do
+their own I/O through ``Kube`` and are made idempotent by deterministic names or claims.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from pipeline.actuator.kube import AlreadyExists, Kube, NotFound, TooManyRequests
+from pipeline.actuator.kube import AlreadyExists, Kube
+from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
     CORDON,
     REBOOT_REQUEST_ANNOTATION,
@@ -28,13 +29,9 @@ from pipeline.actuator.ownership import (
     Ledger,
     taint_effect_key,
 )
-from pipeline.actuator.plan import NodeView
-from pipeline.actuator.policy import ActionSpec
 from schemas.records import stable_id
 
-MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 EVENT_NAMESPACE = "default"  # Events about cluster-scoped Nodes live in "default", as the kubelet's do.
-DEFAULT_DRAIN_TIMEOUT = 300.0
 DEFAULT_REBOOT_TIMEOUT = 1800.0
 
 
@@ -163,84 +160,6 @@ async def create_node_event(
     except AlreadyExists:
         return False
     return True
-
-
-# -- drain ---------------------------------------------------------------------------------------------------
-@dataclass
-class DrainResult:
-    evicted: list[str] = field(default_factory=list)
-    forced: list[str] = field(default_factory=list)
-    blocked: list[str] = field(default_factory=list)
-    left_alone: list[str] = field(default_factory=list)
-    ok: bool = True
-    reason: str = ""
-
-
-def drain_candidates(pods: list[Mapping[str, Any]], excluded: set[str]) -> tuple[list[Mapping[str, Any]], list[str]]:
-    """Pods to evict, and the ones left alone (DaemonSet, mirror, excluded namespace, finished)."""
-    evict: list[Mapping[str, Any]] = []
-    alone: list[str] = []
-    for pod in pods:
-        meta = pod.get("metadata") or {}
-        ref = f"{meta.get('namespace')}/{meta.get('name')}"
-        owners = meta.get("ownerReferences") or []
-        phase = (pod.get("status") or {}).get("phase")
-        if (
-            any(o.get("kind") == "DaemonSet" for o in owners)
-            or MIRROR_ANNOTATION in (meta.get("annotations") or {})
-            or meta.get("namespace") in excluded
-        ):
-            alone.append(ref)
-        elif phase not in ("Succeeded", "Failed"):
-            evict.append(pod)
-    return evict, alone
-
-
-async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.0) -> DrainResult:
-    """Evict every pod that may go, honouring PDBs (429 -> backoff), then force only if allowed."""
-    start = time.monotonic()
-    timeout = spec.timeout or DEFAULT_DRAIN_TIMEOUT
-    excluded = set(spec.excluded_namespaces)
-    result = DrainResult()
-    backoff = 0.25
-    while True:
-        pods, result.left_alone = drain_candidates(await kube.list_pods_on_node(node), excluded)
-        if not pods:
-            result.ok = True
-            result.blocked = []
-            return result
-        elapsed = time.monotonic() - start
-        force = spec.force_after is not None and elapsed >= spec.force_after
-        blocked: list[str] = []
-
-        async def one(pod: Mapping[str, Any], force: bool = force, blocked: list[str] = blocked) -> None:
-            meta = pod["metadata"]
-            ns, name = meta["namespace"], meta["name"]
-            grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
-            if spec.grace_period_cap is not None:
-                grace = min(grace if grace is not None else 30, spec.grace_period_cap)
-            try:
-                if force and ns in spec.force_namespaces:  # the policy names where deletion may be forced
-                    await kube.delete_pod(ns, name, 0)
-                    result.forced.append(f"{ns}/{name}")
-                elif meta.get("deletionTimestamp"):
-                    blocked.append(f"{ns}/{name} (terminating)")
-                else:
-                    await kube.evict_pod(ns, name, grace)
-                    result.evicted.append(f"{ns}/{name}")
-            except TooManyRequests:
-                blocked.append(f"{ns}/{name}")
-            except NotFound:
-                pass
-
-        await asyncio.gather(*(one(p) for p in pods))
-        result.blocked = blocked
-        if time.monotonic() - start >= timeout:
-            result.ok = False
-            result.reason = f"drain timed out after {timeout:g}s; blocked: {', '.join(blocked[:10])}"
-            return result
-        await asyncio.sleep(backoff)
-        backoff = min(backoff * 2, max_backoff)
 
 
 # -- reboot and GPU reset hooks ------------------------------------------------------------------------------

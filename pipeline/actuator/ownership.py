@@ -10,8 +10,16 @@ Shape::
      "owned":    {"cordon": ["<flow>"], "taint:<key>:<effect>": ["<flow>"], "condition:GpuXid": ["<flow>"]},
      "flows":    {"<flow>": {"at": <epoch>, "done": {"<step>": <epoch>},
                              "claims": {"<step>": {"by": "<worker>", "at": <epoch>}},
-                             "cancelled": "<reason>" | null, "boot_id": "<before reboot>" | null}},
+                             "cancelled": "<reason>" | null, "boot_id": "<before reboot>" | null,
+                             "plan": {"rec": <the record>, "rule": ..., "esc": bool, "steps": [<ActionSpec>]},
+                             "fin": <epoch> (the flow ended: every step ran, or it stopped),
+                             "log": {"<step>": {"by": "<worker>", "at": <epoch>, "outcome": ..., "reason": ...,
+                                                "details": {...}}}}},
      "attempts": [<epoch>, ...]}
+
+A flow with a ``plan`` and no ``fin`` is open: whichever replica owns the node's partition drives it
+to the end from here, without its record (level-triggered). A claim is a lease: its holder renews
+``at`` while the step runs, and a claim not renewed within the lease period is retaken.
 
 ``owned`` is what undo may remove: an effect xidflow found already in place (a human's cordon) is
 never recorded there, so it is never undone.
@@ -92,6 +100,17 @@ class Ledger:
         flow.setdefault("done", {})[step] = now
         flow.setdefault("claims", {}).pop(step, None)
 
+    def claim_of(self, flow_key: str, step: str) -> dict[str, Any] | None:
+        return (self.flows.get(flow_key) or {}).get("claims", {}).get(step)
+
+    def renew(self, flow_key: str, step: str, worker: str, now: float) -> bool:
+        """Extend our lease on the step; False when the claim is no longer ours (retaken or released)."""
+        claim = self.claim_of(flow_key, step)
+        if not claim or claim.get("by") != worker:
+            return False
+        claim["at"] = now
+        return True
+
     def claim_holder(self, flow_key: str, step: str, now: float, timeout: float) -> str | None:
         """Worker holding a live claim on the step, or None when it is free or the claim is stale."""
         claim = (self.flows.get(flow_key) or {}).get("claims", {}).get(step)
@@ -117,9 +136,64 @@ class Ledger:
     def flow_value(self, flow_key: str, name: str) -> Any:
         return (self.flows.get(flow_key) or {}).get(name)
 
+    # -- open flows (level-triggered state) ---------------------------------------------------------
+    def open_flow(self, flow_key: str, plan: dict[str, Any], now: float, rev: int = 0, replace: bool = False) -> bool:
+        """Record what the flow must go through; False when it was recorded before (kept as it was).
+
+        ``replace`` records a newer revision of the flow's record (an escalated incident): the new
+        plan replaces the old one and a finished flow is open again.
+        """
+        flow = self.flow(flow_key, now)
+        if "plan" in flow or "fin" in flow:
+            if not replace or (flow.get("plan") == plan and "fin" not in flow):
+                return False
+        flow["plan"] = plan
+        flow["rev"] = rev
+        flow.pop("fin", None)
+        flow.pop("status", None)
+        return True
+
+    def revision(self, flow_key: str) -> int:
+        """Revision of the record the flow was last planned from (0 when unknown)."""
+        return int((self.flows.get(flow_key) or {}).get("rev") or 0)
+
+    def is_open(self, flow_key: str) -> bool:
+        flow = self.flows.get(flow_key) or {}
+        return "plan" in flow and "fin" not in flow
+
+    def open_flows(self) -> list[str]:
+        """Flows recorded and not finished, oldest first."""
+        keys = [k for k in self.flows if self.is_open(k)]
+        return sorted(keys, key=lambda k: float(self.flows[k].get("at", 0)))
+
+    def stored_plan(self, flow_key: str) -> dict[str, Any] | None:
+        return (self.flows.get(flow_key) or {}).get("plan")
+
+    def finish(self, flow_key: str, status: str, now: float) -> None:
+        """The flow ended; its record and plan are dropped (what it owns stays recorded for undo)."""
+        flow = self.flow(flow_key, now)
+        flow["fin"] = now
+        flow["status"] = status
+        flow.pop("plan", None)
+
+    def is_finished(self, flow_key: str) -> bool:
+        return "fin" in (self.flows.get(flow_key) or {})
+
+    def done_at(self, flow_key: str, step: str) -> float | None:
+        at = (self.flows.get(flow_key) or {}).get("done", {}).get(step)
+        return None if at is None else float(at)
+
+    def record_applied(self, flow_key: str, step: str, entry: dict[str, Any], now: float) -> None:
+        """Who applied the step and with what result: the audit stays complete if the applier dies."""
+        self.flow(flow_key, now).setdefault("log", {})[step] = entry
+
+    def applied(self, flow_key: str, step: str) -> dict[str, Any] | None:
+        return (self.flows.get(flow_key) or {}).get("log", {}).get(step)
+
     def prune(self, max_flows: int) -> None:
-        """Forget the oldest flows that own nothing, keeping at most ``max_flows``."""
+        """Forget the oldest finished flows that own nothing, keeping at most ``max_flows``."""
         owning = {f for owners in self.owned.values() for f in owners}
+        owning |= {k for k in self.flows if self.is_open(k)}
         if len(self.flows) <= max_flows:
             return
         by_age = sorted(self.flows, key=lambda k: float(self.flows[k].get("at", 0)))

@@ -7,71 +7,38 @@ cap escalates the incident to CONTACT_SUPPORT, and what undo may remove.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.actuator.ownership import (
-    CORDON,
-    Ledger,
-    condition_effect_key,
-    request_flow_key,
-    taint_effect_key,
-)
+from pipeline.actuator import actions
+from pipeline.actuator.actions import Kind
+from pipeline.actuator.nodeview import NodeView
+from pipeline.actuator.ownership import CORDON, request_flow_key
 from pipeline.actuator.policy import ActionSpec, PolicySet, Rule
 from pipeline.actuator.problems import Problem, classify_incident
 from pipeline.actuator.settings import ActuatorSettings
-from schemas.records import Action, NodeIncident, NodeRecovered
+from schemas.records import Action, NodeIncident, NodeRecovered, RescueActionRequest
+
+__all__ = [
+    "NodeView",
+    "Plan",
+    "Step",
+    "UndoPlan",
+    "expand_actions",
+    "group_steps",
+    "plan_from_ledger",
+    "plan_incident",
+    "plan_recovery",
+    "plan_recovery_for",
+    "plan_request",
+]
 
 # Steps that take the node out of scheduling: they go through the circuit breaker.
-QUARANTINING = frozenset({"cordon", "taint"})
+QUARANTINING = actions.names(quarantining=True)
 # Steps that disrupt workloads or hardware: they count against the per-node attempt cap.
-DISRUPTIVE = frozenset({"drain", "reboot", "resetGpu"})
+DISRUPTIVE = actions.names(disruptive=True)
 # Under CONTACT_SUPPORT escalation a person takes over: no automated reboot/reset/uncordon.
-ESCALATION_DROPS = frozenset({"reboot", "resetGpu", "unCordon"})
-
-
-@dataclass(frozen=True)
-class NodeView:
-    """What the planner needs to know about a Node, read from its JSON object."""
-
-    name: str
-    labels: Mapping[str, str]
-    annotations: Mapping[str, str]
-    unschedulable: bool
-    taints: tuple[Mapping[str, Any], ...]
-    ready: bool
-    boot_id: str
-    resource_version: str
-    conditions: tuple[Mapping[str, Any], ...] = ()
-
-    @classmethod
-    def from_object(cls, node: Mapping[str, Any]) -> NodeView:
-        meta = node.get("metadata") or {}
-        spec = node.get("spec") or {}
-        status = node.get("status") or {}
-        ready = any(c.get("type") == "Ready" and c.get("status") == "True" for c in status.get("conditions") or [])
-        return cls(
-            name=meta.get("name", ""),
-            labels=meta.get("labels") or {},
-            annotations=meta.get("annotations") or {},
-            unschedulable=bool(spec.get("unschedulable")),
-            taints=tuple(spec.get("taints") or ()),
-            ready=ready,
-            boot_id=(status.get("nodeInfo") or {}).get("bootID", ""),
-            resource_version=meta.get("resourceVersion", ""),
-            conditions=tuple(status.get("conditions") or ()),
-        )
-
-    def condition(self, condition_type: str) -> Mapping[str, Any] | None:
-        return next((c for c in self.conditions if c.get("type") == condition_type), None)
-
-    @property
-    def ledger(self) -> Ledger:
-        return Ledger.from_annotations(self.annotations)
-
-    def opted_out(self, opt_out_label: str) -> bool:
-        return str(self.labels.get(opt_out_label, "")).lower() == "true"
+ESCALATION_DROPS = actions.names(dropped_on_escalation=True)
 
 
 @dataclass(frozen=True)
@@ -85,6 +52,10 @@ class Step:
     @property
     def name(self) -> str:
         return self.spec.name
+
+    @property
+    def action(self) -> actions.ActionDef:
+        return actions.get(self.spec.name)
 
     @property
     def quarantining(self) -> bool:
@@ -117,13 +88,8 @@ def _keyed_steps(specs: list[ActionSpec], settings: ActuatorSettings, problem: P
     for spec in specs:
         seen[spec.name] = seen.get(spec.name, 0) + 1
         key = spec.name if seen[spec.name] == 1 else f"{spec.name}#{seen[spec.name]}"
-        effect: str | None = None
-        if spec.name == "cordon":
-            effect = CORDON
-        elif spec.name == "taint":
-            effect = taint_effect_key(spec.key or settings.taint_key, spec.effect or settings.taint_effect)
-        elif spec.name == "condition" and problem is not None:
-            effect = condition_effect_key(problem.condition_type)
+        owner = actions.get(spec.name).effect_key
+        effect = owner(spec, settings, problem) if owner else None
         steps.append(Step(key=key, spec=spec, effect=effect))
     return tuple(steps)
 
@@ -133,22 +99,8 @@ def expand_actions(rule: Rule, incident: NodeIncident) -> list[ActionSpec]:
     ALERT, event only for RESTART_APP, nothing for IGNORE."""
     out: list[ActionSpec] = []
     for spec in rule.actions:
-        if spec.name != "quarantine":
-            out.append(spec)
-            continue
-        if incident.quarantine or incident.action.quarantines:
-            attrs = (("key", spec.key), ("value", spec.value), ("effect", spec.effect))
-            taint = {k: v for k, v in attrs if v}
-            out += [
-                ActionSpec(name="cordon"),
-                ActionSpec(name="taint", **taint),
-                ActionSpec(name="condition"),
-                ActionSpec(name="event"),
-            ]
-        elif incident.action is Action.ALERT:  # alert only: tell a person and repair tooling, keep serving
-            out += [ActionSpec(name="condition"), ActionSpec(name="event")]
-        elif incident.action is not Action.IGNORE:  # IGNORE: nothing on the node
-            out.append(ActionSpec(name="event"))
+        expand = actions.get(spec.name).expand
+        out += expand(spec, incident) if expand else [spec]
     return out
 
 
@@ -209,7 +161,7 @@ def plan_incident(
     )
 
 
-def plan_request(request: Any, node: NodeView, settings: ActuatorSettings) -> Plan:
+def plan_request(request: RescueActionRequest, node: NodeView, settings: ActuatorSettings) -> Plan:
     """The steps of a third-party rescue request (``RescueActionRequest``), in the order given."""
     flow_key = request_flow_key(request.request_id)
     base = {"flow_key": flow_key, "node": node.name, "rule": "rescue-request"}
@@ -220,6 +172,58 @@ def plan_request(request: Any, node: NodeView, settings: ActuatorSettings) -> Pl
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
     specs = [ActionSpec(name=a.name, waittime=float(a.waittime)) for a in request.actions]
     return Plan(**base, steps=_keyed_steps(specs, settings, None), details={"xid": request.xid})
+
+
+def stored(plan: Plan, record: NodeIncident | RescueActionRequest) -> dict[str, Any]:
+    """What the ledger keeps of an open flow, so any replica can drive it to the end without its record."""
+    return {
+        "rec": record.model_dump(mode="json"),
+        "rule": plan.rule,
+        "esc": plan.escalated,
+        "steps": [s.spec.model_dump(mode="json", by_alias=True, exclude_defaults=True) for s in plan.steps],
+    }
+
+
+def plan_from_ledger(
+    node: NodeView, flow_key: str, settings: ActuatorSettings
+) -> tuple[Plan, NodeIncident | RescueActionRequest] | None:
+    """The plan of an open flow as recorded when it started (policy edits since do not change it)."""
+    from schemas.records import ACTUATOR_INPUT
+
+    kept = node.ledger.stored_plan(flow_key)
+    if not kept:
+        return None
+    record = ACTUATOR_INPUT.validate_python(kept["rec"])
+    if isinstance(record, NodeRecovered):
+        return None
+    problem = classify_incident(record) if isinstance(record, NodeIncident) else None
+    specs = [ActionSpec.model_validate(s) for s in kept.get("steps") or []]
+    plan = Plan(
+        flow_key=flow_key,
+        node=node.name,
+        rule=str(kept.get("rule", "")),
+        steps=_keyed_steps(specs, settings, problem),
+        escalated=bool(kept.get("esc")),
+        problem=problem,
+    )
+    return plan, record
+
+
+def group_steps(steps: tuple[Step, ...]) -> list[list[Step]]:
+    """Consecutive node-write steps together, consecutive instant steps together, long steps alone.
+
+    A step with a wait after it closes its group so the wait falls where the policy put it.
+    """
+    groups: list[list[Step]] = []
+    for step in steps:
+        kind = step.action.kind
+        last = groups[-1] if groups else None
+        groupable = kind in (Kind.NODE, Kind.INSTANT)
+        if groupable and last and last[0].action.kind == kind and not last[-1].spec.waittime:
+            last.append(step)
+        else:
+            groups.append([step])
+    return groups
 
 
 @dataclass(frozen=True)
@@ -236,8 +240,11 @@ class UndoPlan:
 
 def plan_recovery(recovered: NodeRecovered, node: NodeView) -> UndoPlan:
     """What to remove when an incident recovers: only what this flow applied and nobody else owns."""
+    return plan_recovery_for(recovered.incident_id, node)
+
+
+def plan_recovery_for(flow: str, node: NodeView) -> UndoPlan:
     ledger = node.ledger
-    flow = recovered.incident_id
     uncordon = False
     taints: list[tuple[str, str]] = []
     conditions: list[str] = []

@@ -17,6 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
 from pipeline.catalog import Catalog
 from schemas.records import FaultKind
 
@@ -27,18 +28,7 @@ STANDBY_KIND = "WarmStandbyPolicy"
 RESCUE_PLURAL = "rescuepolicies"
 STANDBY_PLURAL = "warmstandbypolicies"
 
-ActionName = Literal[
-    "quarantine",
-    "cordon",
-    "taint",
-    "condition",
-    "event",
-    "drain",
-    "reboot",
-    "resetGpu",
-    "enableWarmStandby",
-    "unCordon",
-]
+ActionName = Literal[ACTION_NAMES]  # type: ignore[valid-type]  # one list: pipeline.actuator.actions
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
 RebootHook = Literal["job", "annotation", "webhook"]
 
@@ -107,18 +97,7 @@ class ActionSpec(_Model):
         return self
 
 
-_ATTRS_BY_ACTION: dict[str, set[str]] = {
-    "quarantine": {"key", "value", "effect"},
-    "cordon": set(),
-    "taint": {"key", "value", "effect"},
-    "condition": set(),
-    "event": set(),
-    "drain": {"grace_period_cap", "excluded_namespaces", "force_after", "force_namespaces", "timeout"},
-    "reboot": {"hook", "webhook_url", "job_template", "uncordon_after", "timeout"},
-    "resetGpu": {"job_template", "timeout"},
-    "enableWarmStandby": set(),
-    "unCordon": set(),
-}
+_ATTRS_BY_ACTION: dict[str, set[str]] = attrs_by_action()
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")

@@ -1,6 +1,7 @@
 """Third-party rescue requests: the Kingsoft-seed wire format and the record on the requests topic.
 
-A decision system outside xidflow asks for a plan of actions on one node through
+The record itself (``RescueActionRequest``) lives in ``schemas.records`` with every other record; it
+is re-exported here. A decision system outside xidflow asks for a plan of actions on one node through
 ``POST /api/v1/rescue-actions`` with the body ``{nodeName, xid, escalateTime, actions: [{name,
 waittime}]}``. :func:`parse_rescue_request` validates that body (pure, no I/O) and returns either a
 :class:`RescueActionRequest`, the record published to ``gpu.remediation.requests`` keyed by node, or
@@ -16,16 +17,28 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final
 
 import orjson
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, WithJsonSchema
 from pydantic_core import ErrorDetails, PydanticCustomError
 
-from schemas.records import Record, stable_id
+from pipeline.actuator.actions import ACTION_NAMES, names
+from schemas.records import RescueAction, RescueActionName, RescueActionRequest, stable_id
 
-RescueActionName = Literal["cordon", "drain", "reboot", "enableWarmStandby", "unCordon"]
-RESCUE_ACTION_NAMES: Final[tuple[str, ...]] = get_args(RescueActionName)
+__all__ = [
+    "RESCUE_ACTION_NAMES",
+    "ParameterError",
+    "RescueAction",
+    "RescueActionBody",
+    "RescueActionBodyAction",
+    "RescueActionName",
+    "RescueActionRequest",
+    "parse_rescue_request",
+]
+
+# From the action registry (which checks that ``RescueActionName`` lists exactly these).
+RESCUE_ACTION_NAMES: Final[tuple[str, ...]] = tuple(n for n in ACTION_NAMES if n in names(requestable=True))
 
 MAX_ACTIONS: Final = 16
 MAX_WAIT_SECONDS: Final = 7 * 86400
@@ -123,37 +136,6 @@ class RescueActionBody(BaseModel):
     actions: list[RescueActionBodyAction] = Field(
         min_length=1, max_length=MAX_ACTIONS, description="Actions executed in order"
     )
-
-
-class RescueAction(BaseModel):
-    """One step of a plan in the record: the action and the seconds to wait after it."""
-
-    model_config = ConfigDict(extra="ignore")
-
-    name: RescueActionName
-    waittime: int = Field(default=0, ge=0)
-
-
-class RescueActionRequest(Record):
-    """A third-party plan for one node, on ``gpu.remediation.requests`` keyed by ``node_name``.
-
-    ``request_id`` is the idempotency key of the whole plan: the actuator executes each id once, so a
-    client retry (same ``Idempotency-Key``) or a redelivery never runs a plan twice.
-    """
-
-    type: Literal["rescue_request"] = "rescue_request"
-    request_id: str = Field(description="Deterministic: from the Idempotency-Key, else from the body and received_at")
-    node_name: str
-    xid: int
-    escalate_time: datetime
-    actions: list[RescueAction] = Field(min_length=1)
-    received_at: datetime
-    requested_by: str = Field(description="Name of the API token that made the request")
-    idempotency_key: str | None = None
-
-    @property
-    def total_wait_seconds(self) -> int:
-        return sum(action.waittime for action in self.actions)
 
 
 @dataclass(frozen=True, slots=True)

@@ -70,8 +70,12 @@ class ActuatorSettings(BaseSettings):
     """First backoff when the API server is unreachable or answers 5xx, in seconds. Default 0.5."""
     retry_max_seconds: float = Field(default=30, gt=0)
     """Backoff ceiling in seconds. Default 30."""
-    claim_timeout_seconds: float = Field(default=1800, gt=0)
-    """A long step (drain, reboot) claimed by a replica that vanished is retaken after this. Default 1800."""
+    claim_timeout_seconds: float = Field(default=15, gt=0)
+    """Lease period of a long step (drain, reboot, resetGpu, enableWarmStandby) and of a drain slot: the holder
+    renews it every third of it while the step runs, and a claim not renewed for this long is retaken by the
+    replica that owns the node. Default 15."""
+    resync_seconds: float = Field(default=10, gt=0)
+    """How often every owned node is looked at again, besides the Node watch (informer resync). Default 10."""
     ledger_max_flows: int = Field(default=20, ge=1)
     """Flows remembered in a node's ledger annotation. Default 20."""
     reboot_job_template: str = ""

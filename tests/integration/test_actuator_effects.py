@@ -285,3 +285,18 @@ async def test_manual_uncordon_during_a_flow_stops_its_later_steps(env: Env) -> 
     assert "xidflow.dev/reboot-requested" not in node["metadata"].get("annotations", {})
     assert not node["spec"].get("unschedulable")
     assert ("reboot", "skipped") in outcomes(await env.audit(), name)
+
+
+async def test_an_escalated_revision_of_an_incident_runs_its_new_steps_once(env: Env) -> None:
+    (name,) = await env.make_nodes(1)
+    act = await env.actuator()
+    first = make_incident(name, "inc-esc", code=31, action=Action.RESTART_APP).model_copy(update={"revision": 1})
+    await act.engine.handle(first)
+    assert not (await env.node(name))["spec"].get("unschedulable")  # RESTART_APP: an Event only
+    escalated = make_incident(name, "inc-esc", code=31, action=Action.RESET_GPU).model_copy(update={"revision": 2})
+    await act.engine.handle(escalated)
+    await act.engine.handle(escalated)  # redelivered
+    assert (await env.node(name))["spec"]["unschedulable"] is True
+    assert len(await node_events(env.kube, name)) == 1
+    ledger = await env.ledger(name)
+    assert ledger.revision("inc-esc") == 2 and ledger.is_finished("inc-esc") and ledger.owners("cordon") == ["inc-esc"]

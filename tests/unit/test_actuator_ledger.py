@@ -9,12 +9,12 @@ from aiokafka import TopicPartition
 from hypothesis import given
 from hypothesis import strategies as st
 
+from pipeline.actuator.actions.drain import drain_candidates
 from pipeline.actuator.breaker import decide_admissions, take_drain_slot
 from pipeline.actuator.consumer import OffsetTracker, decode_record
 from pipeline.actuator.effects import (
     choose_standby,
     cordon_change,
-    drain_candidates,
     remove_taints_change,
     render_job,
     taint_change,

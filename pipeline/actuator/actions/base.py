@@ -1,0 +1,127 @@
+"""What an action is: its traits, its runner, the typed result of a step, and what a runner may use.
+
+Pure declarations; nothing here talks to the cluster. Each action module builds one ``ActionDef``
+and the package registers it (``pipeline.actuator.actions.REGISTRY``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from schemas.records import Outcome
+
+if TYPE_CHECKING:
+    from pipeline.actuator.breaker import DrainSlots
+    from pipeline.actuator.effects import NodeChange
+    from pipeline.actuator.kube import Kube
+    from pipeline.actuator.nodestate import NodeWriter
+    from pipeline.actuator.nodeview import NodeView
+    from pipeline.actuator.ownership import Ledger
+    from pipeline.actuator.plan import Plan, Step
+    from pipeline.actuator.policy import ActionSpec
+    from pipeline.actuator.policystore import PolicyStore
+    from pipeline.actuator.problems import Problem
+    from pipeline.actuator.settings import ActuatorSettings
+    from schemas.records import NodeIncident
+
+
+class Kind(StrEnum):
+    """How the engine runs an action."""
+
+    NODE = "node"
+    """A change of the Node object, written in one conditional patch with the ledger (with its neighbours)."""
+    INSTANT = "instant"
+    """A short, idempotent call of its own (condition, Event); neighbours run concurrently."""
+    LONG = "long"
+    """Minutes of work (drain, reboot): claimed with a renewed lease so one replica runs it, and resumed."""
+    MACRO = "macro"
+    """Expands into other actions when planned; never runs itself."""
+
+
+class StopReason(StrEnum):
+    """Why a step ended the flow's progress here."""
+
+    CANCELLED = "cancelled"
+    """A person took over (manual uncordon) or the flow was cancelled: the flow ends."""
+    FAILED = "failed"
+    """The step failed: the flow ends, the node stays as it is."""
+    HELD = "held"
+    """Another live replica holds the step's lease: it drives the flow; this run stops without ending it."""
+    LEASE_LOST = "lease-lost"
+    """Our lease was retaken while the step ran (we were presumed dead): the new holder drives the flow."""
+
+
+@dataclass
+class StepResult:
+    outcome: Outcome
+    reason: str = ""
+    details: dict[str, Any] = field(default_factory=dict)
+    stop: StopReason | None = None
+    owns: tuple[str, ...] = ()
+    """Effect keys the step now owns (recorded with its done mark)."""
+    values: dict[str, Any] = field(default_factory=dict)
+    """Flow values to keep in the ledger (e.g. the standby node chosen)."""
+
+
+@dataclass
+class StepContext:
+    """What a runner may use: the cluster, the settings, and the flow it runs in."""
+
+    kube: Kube
+    writer: NodeWriter
+    settings: ActuatorSettings
+    worker: str
+    plan: Plan
+    view: NodeView
+    incident: NodeIncident | None
+    drains: DrainSlots
+    policies: PolicyStore
+
+
+NodeChangeFn = Callable[["NodeView", "Ledger", "Step", "StepContext"], "NodeChange"]
+RunFn = Callable[["StepContext", "Step"], Awaitable[StepResult]]
+ExpandFn = Callable[["ActionSpec", "NodeIncident"], "list[ActionSpec]"]
+EffectKeyFn = Callable[["ActionSpec", "ActuatorSettings", "Problem | None"], "str | None"]
+
+
+@dataclass(frozen=True)
+class ActionDef:
+    """One action: its name in policies and requests, its traits and its runner."""
+
+    name: str
+    kind: Kind
+    attrs: frozenset[str] = frozenset()
+    """``ActionSpec`` attributes meaningful for it (besides ``name`` and ``waittime``)."""
+    quarantining: bool = False
+    """Takes the node out of scheduling: goes through the circuit breaker."""
+    disruptive: bool = False
+    """Disrupts workloads or hardware: counts against the per-node attempt cap."""
+    requestable: bool = False
+    """A third party may ask for it through the decision API."""
+    dropped_on_escalation: bool = False
+    """Under CONTACT_SUPPORT a person takes over: the action is left out."""
+    allowed_when_breaker_open: bool = False
+    """Information only: still runs while the circuit breaker is open."""
+    owns: str = ""
+    """What it leaves on the node and the ledger records as xidflow's (empty: nothing)."""
+    undo: str = ""
+    """How recovery removes it (empty: nothing to undo)."""
+    effect_key: EffectKeyFn | None = None
+    """Ledger ownership key of what it leaves on the node."""
+    change: NodeChangeFn | None = None
+    """For ``Kind.NODE``: the change to the Node (pure)."""
+    run: RunFn | None = None
+    """For ``Kind.INSTANT`` and ``Kind.LONG``: the runner."""
+    claim_values: Callable[[NodeView], dict[str, Any]] | None = None
+    """For ``Kind.LONG``: flow values recorded with the first claim (e.g. the bootID before a reboot)."""
+    uses_drain_slot: bool = False
+    """Holds one of the cluster-wide drain slots while it runs (renewed with its lease)."""
+    expand: ExpandFn | None = None
+    """For ``Kind.MACRO``: the actions it stands for, given the incident."""
+
+    @property
+    def needs_claim(self) -> bool:
+        return self.kind == Kind.LONG

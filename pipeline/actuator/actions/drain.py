@@ -1,0 +1,146 @@
+"""drain: evict every pod that may go, honouring PodDisruptionBudgets; force only when the rule allows.
+
+Which pods stay is decided by small filters, each one reason to leave a pod alone; a drain holds one
+of the cluster-wide drain slots while it runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.kube import Kube, NotFound, TooManyRequests
+from schemas.records import Outcome
+
+if TYPE_CHECKING:
+    from pipeline.actuator.plan import Step
+    from pipeline.actuator.policy import ActionSpec
+
+MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
+DEFAULT_DRAIN_TIMEOUT = 300.0
+
+Pod = Mapping[str, Any]
+PodFilter = Callable[[Pod], bool]
+"""True when the pod is left alone."""
+
+
+def daemonset_pods(pod: Pod) -> bool:
+    return any(o.get("kind") == "DaemonSet" for o in (pod.get("metadata") or {}).get("ownerReferences") or [])
+
+
+def mirror_pods(pod: Pod) -> bool:
+    return MIRROR_ANNOTATION in ((pod.get("metadata") or {}).get("annotations") or {})
+
+
+def in_namespaces(namespaces: Iterable[str]) -> PodFilter:
+    excluded = frozenset(namespaces)
+    return lambda pod: (pod.get("metadata") or {}).get("namespace") in excluded
+
+
+def finished_pods(pod: Pod) -> bool:
+    return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
+
+
+def default_filters(excluded_namespaces: Iterable[str] = ()) -> list[PodFilter]:
+    return [daemonset_pods, mirror_pods, in_namespaces(excluded_namespaces)]
+
+
+def drain_candidates(
+    pods: list[Pod], excluded: set[str], filters: list[PodFilter] | None = None
+) -> tuple[list[Pod], list[str]]:
+    """Pods to evict, and the ones left alone (reported); finished pods are neither."""
+    keep_out = filters if filters is not None else default_filters(excluded)
+    evict: list[Pod] = []
+    alone: list[str] = []
+    for pod in pods:
+        meta = pod.get("metadata") or {}
+        if any(f(pod) for f in keep_out):
+            alone.append(f"{meta.get('namespace')}/{meta.get('name')}")
+        elif not finished_pods(pod):
+            evict.append(pod)
+    return evict, alone
+
+
+@dataclass
+class DrainResult:
+    evicted: list[str] = field(default_factory=list)
+    forced: list[str] = field(default_factory=list)
+    blocked: list[str] = field(default_factory=list)
+    left_alone: list[str] = field(default_factory=list)
+    ok: bool = True
+    reason: str = ""
+
+
+async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.0) -> DrainResult:
+    """Evict every pod that may go, honouring PDBs (429 -> backoff), then force only if allowed."""
+    start = time.monotonic()
+    timeout = spec.timeout or DEFAULT_DRAIN_TIMEOUT
+    filters = default_filters(spec.excluded_namespaces)
+    result = DrainResult()
+    backoff = 0.25
+    while True:
+        pods, result.left_alone = drain_candidates(await kube.list_pods_on_node(node), set(), filters)
+        if not pods:
+            result.ok = True
+            result.blocked = []
+            return result
+        elapsed = time.monotonic() - start
+        force = spec.force_after is not None and elapsed >= spec.force_after
+        blocked: list[str] = []
+
+        async def one(pod: Pod, force: bool = force, blocked: list[str] = blocked) -> None:
+            meta = pod["metadata"]
+            ns, name = meta["namespace"], meta["name"]
+            grace = (pod.get("spec") or {}).get("terminationGracePeriodSeconds")
+            if spec.grace_period_cap is not None:
+                grace = min(grace if grace is not None else 30, spec.grace_period_cap)
+            try:
+                if force and ns in spec.force_namespaces:  # the policy names where deletion may be forced
+                    await kube.delete_pod(ns, name, 0)
+                    result.forced.append(f"{ns}/{name}")
+                elif meta.get("deletionTimestamp"):
+                    blocked.append(f"{ns}/{name} (terminating)")
+                else:
+                    await kube.evict_pod(ns, name, grace)
+                    result.evicted.append(f"{ns}/{name}")
+            except TooManyRequests:
+                blocked.append(f"{ns}/{name}")
+            except NotFound:
+                pass
+
+        await asyncio.gather(*(one(p) for p in pods))
+        result.blocked = blocked
+        if time.monotonic() - start >= timeout:
+            result.ok = False
+            result.reason = f"drain timed out after {timeout:g}s; blocked: {', '.join(blocked[:10])}"
+            return result
+        await asyncio.sleep(backoff)
+        backoff = min(backoff * 2, max_backoff)
+
+
+async def run(ctx: StepContext, step: Step) -> StepResult:
+    node = ctx.plan.node
+    await ctx.drains.acquire(node, ctx.worker)
+    try:
+        res = await drain(ctx.kube, node, step.spec)
+    finally:
+        await ctx.drains.release(node)
+    details = {"evicted": res.evicted, "forced": res.forced, "left_alone": res.left_alone}
+    if not res.ok:
+        return StepResult(Outcome.FAILED, res.reason, details | {"blocked": res.blocked})
+    return StepResult(Outcome.APPLIED, f"{len(res.evicted)} evicted, {len(res.forced)} forced", details)
+
+
+ACTION = ActionDef(
+    name="drain",
+    kind=Kind.LONG,
+    attrs=frozenset({"grace_period_cap", "excluded_namespaces", "force_after", "force_namespaces", "timeout"}),
+    disruptive=True,
+    requestable=True,
+    uses_drain_slot=True,
+    run=run,
+)
