@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings
 SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.settings", "KafkaSettings", "Kafka connection (every process)"),
     ("pipeline.settings", "TopicNames", "Topic names (every process)"),
+    ("pipeline.settings", "ConsumerGroupSettings", "Consumer-group membership (worker, actuator)"),
     ("pipeline.catalog", "CatalogSettings", "Xid/SXid catalog overrides (worker, `classify`)"),
     ("pipeline.parse_stage", "ParseSettings", "Parse stage (worker)"),
     ("pipeline.app", "WorkerSettings", "Faust worker (worker)"),

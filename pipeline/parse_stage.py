@@ -40,7 +40,8 @@ from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import metrics
-from pipeline.settings import TopicNames
+from pipeline.group_membership import leave_on_close
+from pipeline.settings import ConsumerGroupSettings, TopicNames
 from schemas.records import (
     Action,
     DeadLetter,
@@ -85,8 +86,6 @@ class ParseSettings(BaseSettings):
         description="Default 4. Batches parsed ahead of their acknowledgements and commits (commits stay ordered).",
     )
     linger_ms: int = Field(default=2, description="Default 2. Producer linger for fault events.")
-    session_timeout_ms: int = Field(default=30_000, description="Default 30000. Consumer group session timeout.")
-    heartbeat_interval_ms: int = Field(default=3_000, description="Default 3000. Consumer heartbeat interval.")
     dead_letter_log_per_s: float = Field(
         default=10.0, description="Default 10. Dead letters logged per second at most (the rest are counted)."
     )
@@ -447,6 +446,7 @@ class ParseStage:
         core: ParseCore | None = None,
         input_topics: list[str] | None = None,
         client_id: str = "xidflow-parse",
+        group: ConsumerGroupSettings | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -457,6 +457,7 @@ class ParseStage:
         self.fault_topic = self.topics.name("fault_events")
         self.dead_topic = self.topics.name("deadletter")
         self.client_id = client_id
+        self.group = group or ConsumerGroupSettings()
         self.counters = StageCounters()
         self.assigned: set[TopicPartition] = set()
         self._stopping = asyncio.Event()
@@ -479,9 +480,7 @@ class ParseStage:
             auto_offset_reset="earliest",
             fetch_max_bytes=s.fetch_max_bytes,
             max_partition_fetch_bytes=s.max_partition_fetch_bytes,
-            session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms,
-            max_poll_interval_ms=300_000,
+            **self.group.consumer_options(),
         )
         producer = AIOKafkaProducer(
             bootstrap_servers=self.bootstrap,
@@ -506,6 +505,8 @@ class ParseStage:
                 for task in self._inflight:
                     task.cancel()
                 self._inflight.clear()
+                if self.group.leave_on_shutdown:
+                    leave_on_close(consumer)
                 await consumer.stop()
         finally:
             await producer.stop()

@@ -21,6 +21,8 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListen
 from pydantic import ValidationError
 
 from pipeline.actuator.requests import RescueActionRequest
+from pipeline.group_membership import leave_on_close
+from pipeline.settings import ConsumerGroupSettings
 from schemas.records import DeadLetter, NodeIncident, NodeRecovered
 
 log = logging.getLogger("xidflow.actuator.consumer")
@@ -103,12 +105,14 @@ class ActuatorConsumer:
         handle: Callable[[Any], Awaitable[None]],
         max_in_flight: int = 5000,
         commit_interval: float = 0.5,
+        group: ConsumerGroupSettings | None = None,
     ) -> None:
         self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
         self.deadletter_topic = deadletter_topic
         self.handle = handle
         self.max_in_flight = max_in_flight
         self.commit_interval = commit_interval
+        self.group = group or ConsumerGroupSettings()  # static membership, session, heartbeat, poll interval
         self.bootstrap_servers, self.group_id = bootstrap_servers, group_id
         self.consumer: AIOKafkaConsumer | None = None
         self.producer: AIOKafkaProducer | None = None
@@ -130,6 +134,7 @@ class ActuatorConsumer:
             max_poll_records=1000,
             # New topics (and partitions) are noticed within seconds, not the 5-minute default.
             metadata_max_age_ms=5000,
+            **self.group.consumer_options(),
         )
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap_servers, acks="all", enable_idempotence=True)
         await self.producer.start()
@@ -144,6 +149,8 @@ class ActuatorConsumer:
         for task in self._workers.values():
             task.cancel()
         await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        if self.group.leave_on_shutdown:
+            leave_on_close(self.consumer)  # orderly stop: partitions move at once (pipeline.group_membership)
         await self.consumer.stop()
         await self.producer.stop()
 
