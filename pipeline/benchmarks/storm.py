@@ -23,6 +23,33 @@ from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings, TopicNames
 
 
+async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
+    """Nodes/s a bare client quarantines: per node the read and the conditional write the actuator does.
+
+    The write is the actuator's (``Engine._update_node``): one JSON merge patch with the node's
+    resourceVersion, cordon, taint and a ledger-sized annotation; ``concurrency`` calls at once.
+    """
+    sem = asyncio.Semaphore(concurrency)
+    ledger = "x" * 400
+
+    async def one(name: str) -> None:
+        async with sem:
+            node = await kube.get_node(name)
+            taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
+            body = {
+                "metadata": {
+                    "resourceVersion": node["metadata"]["resourceVersion"],
+                    "annotations": {"xidflow.bench/ledger": ledger},
+                },
+                "spec": {"unschedulable": True, "taints": taints},
+            }
+            await kube.patch_node(name, body)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(n) for n in names))
+    return len(names) / (time.perf_counter() - start)
+
+
 def _quarantined(node: dict[str, Any], taint_key: str) -> bool:
     spec = node.get("spec") or {}
     return bool(spec.get("unschedulable")) and any(t.get("key") == taint_key for t in spec.get("taints") or [])
@@ -52,6 +79,7 @@ async def storm(
     )
     admin = Kube.from_config(kubeconfig, 32)
     names = [f"storm-{tag}-{i:05d}" for i in range(nodes)]
+    raw_names = [f"storm-{tag}-raw-{i:05d}" for i in range(nodes)]
     actuators: list[Actuator] = []
     tasks: list[asyncio.Task[None]] = []
     try:
@@ -85,7 +113,16 @@ async def storm(
                 break
             await asyncio.sleep(0.05)
         seconds = time.perf_counter() - start
+        # The baseline, same run, same API server, same concurrency: a bare client's writes.
+        await create_nodes(admin, raw_names, {"xidflow.bench/storm-raw": tag})
+        raw_kube = Kube.from_config(kubeconfig, api_concurrency)
+        try:
+            raw_rate = await raw_quarantine_rate(raw_kube, raw_names, settings.taint_key, api_concurrency)
+        finally:
+            raw_kube.close()
         return {
+            "raw_nodes_per_s": round(raw_rate, 1),
+            "storm_vs_raw_ratio": round(nodes / seconds / raw_rate, 3),
             "storm_nodes": nodes,
             "storm_seconds": round(seconds, 3),
             "storm_nodes_per_s": round(nodes / seconds, 1),
@@ -98,7 +135,7 @@ async def storm(
         await asyncio.gather(*tasks, return_exceptions=True)
         for act in actuators:
             await act.stop()
-        await delete_nodes(admin, names)
+        await delete_nodes(admin, [*names, *raw_names])
         try:
             await admin._call(admin.core.delete_namespace, settings.namespace)
         except Exception:  # noqa: BLE001 - the namespace may not exist when setup failed early
