@@ -47,8 +47,8 @@ from pipeline.settings import TopicNames
 FATAL_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 TAINT_KEY = "nvidia.com/gpu-fault"
 SLOW_MS = 5000.0
-PACE_S = 0.1
-"""Seconds between two paced lines in the rolling scenario (its N nodes last N/10 seconds)."""
+PACE_S = 0.15
+"""Seconds between two paced lines in the rolling scenario (its N nodes last N x 0.15 seconds)."""
 
 
 def kmsg(line: str, node: str, seq: int) -> bytes:
@@ -218,12 +218,18 @@ class World:
         env.pop("POD_NAME", None)
         for i in range(self.workers):
             name = f"worker-{i}"
-            args = ["worker", "--app-id", self.app_id, "--partitions", str(self.partitions), "--loglevel", "warning"]
+            args = ["worker", "--app-id", self.app_id, "--partitions", str(self.partitions), "--loglevel", "info"]
             self.procs[name] = Proc(name, args, {**env, "XIDFLOW_GROUP_INSTANCE_ID": name}, self.logdir / f"{name}.log")
         for i in range(self.actuators):
             name = f"actuator-{i}"
             args = ["actuator", "--no-api", "--log-level", "WARNING"]
             self.procs[name] = Proc(name, args, {**env, "XIDFLOW_GROUP_INSTANCE_ID": name}, self.logdir / f"{name}.log")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if not proc.alive():
+                code = proc.proc.returncode if proc.proc else None
+                raise RuntimeError(f"{name} exited ({code}), log {proc.log}: {proc.tail()}")
 
     def groups(self, proc: str) -> list[str]:
         """The consumer groups a process is a member of."""
@@ -240,8 +246,21 @@ class World:
             await proc.start()
         await self.wait_members(list(self.procs))
 
-    async def wait_members(self, procs: list[str], limit_s: float = 180) -> None:
-        """Until every group of these processes is Stable with each of them holding partitions."""
+    async def member_ids(self, proc: str) -> dict[str, str | None]:
+        """group -> the broker's member id for this process's static membership (None: not a member)."""
+        out: dict[str, str | None] = {}
+        for g in self.groups(proc):
+            member = (await describe_group(self.bootstrap, g)).member(proc)
+            out[g] = member.member_id if member else None
+        return out
+
+    async def wait_members(
+        self, procs: list[str], limit_s: float = 180, replaced: dict[str, str | None] | None = None
+    ) -> None:
+        """Until every group of these processes is Stable with each of them holding partitions.
+
+        ``replaced``: group -> a member id that no longer counts (the process was restarted since).
+        """
         deadline = time.monotonic() + limit_s
         wanted: dict[str, set[str]] = {}
         for p in self.procs:
@@ -255,16 +274,17 @@ class World:
             views: list[GroupView] = []
             with contextlib.suppress(KafkaError):
                 views = [await describe_group(self.bootstrap, g) for g in sorted(groups)]
-            if views and all(v.state == "Stable" and self._holding(v, wanted[v.group]) for v in views):
+            stale = set((replaced or {}).values())
+            if views and all(v.state == "Stable" and self._holding(v, wanted[v.group], stale) for v in views):
                 return
             if time.monotonic() > deadline:
                 raise RuntimeError(f"groups did not settle within {limit_s:.0f}s: {views}")
             await asyncio.sleep(0.2)
 
-    def _holding(self, view: GroupView, procs: set[str]) -> bool:
+    def _holding(self, view: GroupView, procs: set[str], stale: set[str | None]) -> bool:
         """Every running one of ``procs`` is a member of the group with partitions assigned."""
         members = [view.member(p) for p in procs if self.procs[p].alive()]
-        return all(m is not None and m.partitions for m in members)
+        return all(m is not None and m.partitions and m.member_id not in stale for m in members)
 
     async def warm_up(self, producer: Any) -> None:
         """One line per warm node through the whole path, so no join or first-call cost is timed."""
@@ -352,6 +372,7 @@ async def run_scenario(
             extra = await disruption
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not all(n in watch.tainted for n in sent):
+            world.check_alive()
             progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
@@ -368,10 +389,11 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1) -> dic
     """SIGKILL one process mid-burst, restart it at once (same identity); seconds until it is back."""
     await asyncio.sleep(delay_s)
     p = world.procs[proc]
+    before = await world.member_ids(proc)
     start = time.monotonic()
     await p.signal(signal.SIGKILL)
     await p.start()
-    await world.wait_members([proc])
+    await world.wait_members([proc], replaced=before)
     return {"restart_s": round(time.monotonic() - start, 2)}
 
 
@@ -380,10 +402,11 @@ async def rolling_restart(world: World) -> dict[str, Any]:
     await asyncio.sleep(1.0)
     took: dict[str, float] = {}
     for name, proc in world.procs.items():
+        before = await world.member_ids(name)
         start = time.monotonic()
         await proc.signal(signal.SIGTERM)
         await proc.start()
-        await world.wait_members(list(world.procs))
+        await world.wait_members(list(world.procs), replaced=before)
         took[name] = round(time.monotonic() - start, 2)
     await asyncio.sleep(1.0)
     return {"rolling_restart_s": took}
