@@ -400,14 +400,16 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1) -> dic
 async def rolling_restart(world: World) -> dict[str, Any]:
     """SIGTERM and restart each process in turn, each back in its groups before the next."""
     await asyncio.sleep(1.0)
-    took: dict[str, float] = {}
+    took: dict[str, dict[str, float]] = {}
     for name, proc in world.procs.items():
         before = await world.member_ids(name)
         start = time.monotonic()
         await proc.signal(signal.SIGTERM)
+        stopped = time.monotonic()
         await proc.start()
         await world.wait_members(list(world.procs), replaced=before)
-        took[name] = round(time.monotonic() - start, 2)
+        # Profile: how long the orderly stop took, and the new process until every group is settled.
+        took[name] = {"stop_s": round(stopped - start, 2), "back_s": round(time.monotonic() - stopped, 2)}
     await asyncio.sleep(1.0)
     return {"rolling_restart_s": took}
 
