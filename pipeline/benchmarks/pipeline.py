@@ -442,6 +442,7 @@ async def run_bench(ctx: BenchContext, sections: list[str]) -> dict[str, Any]:
             "bootstrap": ctx.bootstrap,
             "cpus": os.cpu_count(),
             "python": sys.version.split()[0],
+            "load_avg_start": os.getloadavg(),  # the machine is shared: figures are read against this
         }
     )
     for name in sections:
@@ -450,4 +451,5 @@ async def run_bench(ctx: BenchContext, sections: list[str]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - report which section failed and why
             ctx.results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
     ctx.results["finished_at"] = datetime.now(UTC).isoformat()
+    ctx.results["load_avg_end"] = os.getloadavg()
     return ctx.results
