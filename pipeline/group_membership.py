@@ -20,6 +20,7 @@ from typing import Any
 
 from aiokafka import AIOKafkaConsumer
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+from aiokafka.errors import for_code
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
 
@@ -137,7 +138,8 @@ async def describe_group(bootstrap: str, group: str) -> GroupView:
         if name != group:
             continue
         if error_code:
-            raise RuntimeError(f"describe group {group}: error code {error_code}")
+            # e.g. NOT_COORDINATOR while a fresh broker loads its offsets topic: a KafkaError, retryable
+            raise for_code(error_code)(f"describe group {group}")
         return GroupView(
             group=name,
             state=state,
