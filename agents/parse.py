@@ -24,6 +24,7 @@ def register(xapp: XidflowApp) -> ParseStage:
         topics=xapp.topics,
         settings=xapp.parse,
         client_id=f"{xapp.settings.app_id}-parse",
+        group=xapp.group,
     )
 
     class _HostedParse(ParseService):

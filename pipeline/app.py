@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import faust
 import mode
@@ -28,8 +28,9 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import kafka_clients
 from pipeline.aggregation import AggregationSettings
+from pipeline.group_membership import faust_consumer, leave_on_close
 from pipeline.parse_stage import ParseSettings, ParseStage
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
 
@@ -37,6 +38,14 @@ log = logging.getLogger("xidflow.app")
 def ticks_topic_name(app_id: str) -> str:
     """The worker's own topic of quiet-period ticks (created by ``xidflow worker`` with the others)."""
     return f"{app_id}-ticks"
+
+
+NODE_STATE_TABLE = "node-state"
+
+
+def changelog_topic_name(app_id: str) -> str:
+    """The node-state table's changelog topic (Faust's ``<app id>-<table>-changelog``)."""
+    return f"{app_id}-{NODE_STATE_TABLE}-changelog"
 
 
 def worker_topics(app_id: str, topics: TopicNames) -> list[str]:
@@ -85,10 +94,6 @@ class WorkerSettings(BaseSettings):
     replication_factor: int = Field(default=1, description="Default 1. Replication of created topics.")
     parse: bool = Field(default=True, description="Default true. Run the parse service in this worker.")
     aggregate: bool = Field(default=True, description="Default true. Run the aggregation agent in this worker.")
-    session_timeout_s: float = Field(
-        default=30.0,
-        description="Default 30. Consumer group session timeout (how fast a dead worker is noticed).",
-    )
     tick_interval_s: float = Field(default=10.0, description="Default 10. How often quiet periods are checked.")
     aggregate_batch: int = Field(default=2000, description="Default 2000. Fault events per aggregation batch.")
     aggregate_within_s: float = Field(
@@ -112,6 +117,7 @@ class XidflowApp:
     incidents: faust.TopicT
     deadletter: faust.TopicT
     node_state: NodeStateTable
+    group: ConsumerGroupSettings = field(default_factory=ConsumerGroupSettings)
 
 
 def create_app(
@@ -120,6 +126,7 @@ def create_app(
     topics: TopicNames | None = None,
     aggregation: AggregationSettings | None = None,
     parse: ParseSettings | None = None,
+    group: ConsumerGroupSettings | None = None,
 ) -> XidflowApp:
     """Build the app and register the agents (``agents.parse``, ``agents.aggregate``) on it."""
     bootstrap = bootstrap or KafkaSettings().bootstrap_servers
@@ -127,15 +134,8 @@ def create_app(
     topics = topics or TopicNames()
     aggregation = aggregation or AggregationSettings()
     parse = parse or ParseSettings()
-    # The parse group notices a dead worker as fast as the Faust group does.
-    parse = parse.model_copy(
-        update={
-            "session_timeout_ms": int(settings.session_timeout_s * 1000),
-            "heartbeat_interval_ms": int(max(1.0, settings.session_timeout_s / 10) * 1000),
-        }
-    )
+    group = group or ConsumerGroupSettings()
     brokers = [f"kafka://{hp.strip()}" for hp in bootstrap.split(",") if hp.strip()]
-    session_timeout = settings.session_timeout_s
     app = faust.App(
         settings.app_id,
         broker=brokers,
@@ -145,9 +145,12 @@ def create_app(
         table_standby_replicas=0,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
-        broker_session_timeout=session_timeout,
-        broker_heartbeat_interval=max(1.0, session_timeout / 10),
-        broker_request_timeout=max(40.0, session_timeout + 10),
+        # Both groups of the worker (Faust's and the parse stage's) use the same membership settings.
+        consumer_group_instance_id=group.instance_id or None,
+        broker_session_timeout=group.session_timeout_s,
+        broker_heartbeat_interval=group.heartbeat_interval_s,
+        broker_max_poll_interval=group.max_poll_interval_s,
+        broker_request_timeout=max(40.0, group.session_timeout_s + 10),
         web_enabled=False,
         autodiscover=False,
         table_cleanup_interval=3600.0,
@@ -161,7 +164,7 @@ def create_app(
     node_state = app.tables.add(
         NodeStateTable(
             app,
-            name="node-state",
+            name=NODE_STATE_TABLE,
             default=None,
             partitions=settings.partitions,
             key_type=bytes,
@@ -180,7 +183,14 @@ def create_app(
         incidents=incidents,
         deadletter=deadletter,
         node_state=node_state,
+        group=group,
     )
+    if group.leave_on_shutdown:
+        # Sent before the consumer stops (pipeline.group_membership: leave on SIGTERM, not on a crash).
+        @app.on_before_shutdown.connect
+        async def _leave_group(sender: faust.App, **_: object) -> None:
+            leave_on_close(faust_consumer(sender))
+
     from agents import aggregate as aggregate_agent
     from agents import parse as parse_agent
 

@@ -19,6 +19,7 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.settings", "TopicNames", "Topic names (every process)"),
     ("pipeline.logconfig", "LogSettings", "Logging (every process; flags --log-level, --log-format)"),
     ("pipeline.heartbeat", "HealthSettings", "Liveness endpoint served by the event loop (every process)"),
+    ("pipeline.settings", "ConsumerGroupSettings", "Consumer-group membership (worker, actuator)"),
     ("pipeline.catalog", "CatalogSettings", "Xid/SXid catalog overrides (worker, `classify`)"),
     ("pipeline.parse_stage", "ParseSettings", "Parse stage (worker)"),
     ("pipeline.app", "WorkerSettings", "Faust worker (worker)"),

@@ -41,7 +41,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import metrics
 from pipeline.catalog import Catalog
-from pipeline.settings import TopicNames
+from pipeline.group_membership import leave_on_close
+from pipeline.settings import ConsumerGroupSettings, TopicNames
 from schemas.records import (
     Action,
     DeadLetter,
@@ -86,8 +87,6 @@ class ParseSettings(BaseSettings):
         description="Default 4. Batches parsed ahead of their acknowledgements and commits (commits stay ordered).",
     )
     linger_ms: int = Field(default=2, description="Default 2. Producer linger for fault events.")
-    session_timeout_ms: int = Field(default=30_000, description="Default 30000. Consumer group session timeout.")
-    heartbeat_interval_ms: int = Field(default=3_000, description="Default 3000. Consumer heartbeat interval.")
     dead_letter_log_per_s: float = Field(
         default=10.0, description="Default 10. Dead letters logged per second at most (the rest are counted)."
     )
@@ -438,6 +437,7 @@ class ParseStage:
         core: ParseCore | None = None,
         input_topics: list[str] | None = None,
         client_id: str = "xidflow-parse",
+        group: ConsumerGroupSettings | None = None,
     ) -> None:
         self.bootstrap = bootstrap
         self.group_id = group_id
@@ -448,6 +448,7 @@ class ParseStage:
         self.fault_topic = self.topics.name("fault_events")
         self.dead_topic = self.topics.name("deadletter")
         self.client_id = client_id
+        self.group = group or ConsumerGroupSettings()
         self.counters = StageCounters()
         self.assigned: set[TopicPartition] = set()
         self._stopping = asyncio.Event()
@@ -472,9 +473,7 @@ class ParseStage:
             auto_offset_reset="earliest",
             fetch_max_bytes=s.fetch_max_bytes,
             max_partition_fetch_bytes=s.max_partition_fetch_bytes,
-            session_timeout_ms=s.session_timeout_ms,
-            heartbeat_interval_ms=s.heartbeat_interval_ms,
-            max_poll_interval_ms=300_000,
+            **self.group.consumer_options(),
         )
         producer = kafka_clients.producer(
             bootstrap=self.bootstrap,
@@ -499,6 +498,8 @@ class ParseStage:
                 for task in self._inflight:
                     task.cancel()
                 self._inflight.clear()
+                if self.group.leave_on_shutdown:
+                    leave_on_close(consumer)
                 await consumer.stop()
         finally:
             await producer.stop()

@@ -24,6 +24,8 @@ from pydantic import ValidationError
 
 from pipeline import kafka_clients
 from pipeline.actuator import signing
+from pipeline.group_membership import leave_on_close
+from pipeline.settings import ConsumerGroupSettings
 from schemas.records import ACTUATOR_INPUT, DeadLetter, NodeIncident, NodeRecovered, RescueActionRequest
 
 ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest
@@ -113,12 +115,14 @@ class ActuatorConsumer:
         handle: Handler,
         max_in_flight: int = 5000,
         commit_interval: float = 0.5,
+        group: ConsumerGroupSettings | None = None,
     ) -> None:
         self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
         self.deadletter_topic = deadletter_topic
         self.handle = handle
         self.max_in_flight = max_in_flight
         self.commit_interval = commit_interval
+        self.group = group or ConsumerGroupSettings()  # static membership, session, heartbeat, poll interval
         self.bootstrap_servers, self.group_id = bootstrap_servers, group_id
         self.consumer: AIOKafkaConsumer | None = None
         self.producer: AIOKafkaProducer | None = None
@@ -145,6 +149,7 @@ class ActuatorConsumer:
             max_poll_records=1000,
             # New topics (and partitions) are noticed within seconds, not the 5-minute default.
             metadata_max_age_ms=5000,
+            **self.group.consumer_options(),
         )
         self.producer = kafka_clients.producer(bootstrap=self.bootstrap_servers, acks="all", enable_idempotence=True)
         await self.producer.start()
@@ -159,6 +164,8 @@ class ActuatorConsumer:
         for task in self._workers.values():
             task.cancel()
         await asyncio.gather(*self._workers.values(), return_exceptions=True)
+        if self.group.leave_on_shutdown:
+            leave_on_close(self.consumer)  # orderly stop: partitions move at once (pipeline.group_membership)
         await self.consumer.stop()
         await self.producer.stop()
 

@@ -13,6 +13,12 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
 - ``latency``: a real ``xidflow worker`` process; ~10,000 noise lines/s in the background and a fault
   line for a fresh node every 100 ms; latency = incident received - fault line sent (wall clock).
 - ``parse``: the pure parse figures of ``pipeline.benchmarks.parse.run_parse_benchmark``.
+- ``storm``: N incidents at once to a real actuator; nodes quarantined per second, against a bare
+  client writing the same patches at the same concurrency (``storm_vs_raw_ratio``).
+- ``burst``, ``failover``, ``rolling``: kernel line to taint with real worker and actuator processes
+  (``pipeline.benchmarks.burst``): ``burst_p50_ms``/``_p99_ms``/``_max_ms``,
+  ``failover_actuator_p99_ms``, ``failover_worker_p99_ms`` (with ``_over_5s`` counts) and
+  ``rolling_p99_ms``.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ class BenchContext:
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     kubeconfig: str | None = None
     storm_nodes: int = 500
+    nodes: int = 500  # burst, failover and rolling scenarios
     progress: ProgressFn = lambda task, done, total: None
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -390,6 +397,38 @@ async def actuator_storm(ctx: BenchContext) -> dict[str, Any]:
     return result
 
 
+def _needs_kube(ctx: BenchContext, section: str) -> dict[str, Any] | None:
+    if not ctx.kubeconfig:
+        return {f"{section}_error": f"no Kubernetes API server (KUBECONFIG) for the {section} section"}
+    return None
+
+
+@register("burst")
+async def burst_section(ctx: BenchContext) -> dict[str, Any]:
+    """N nodes' fatal lines at once: produce -> worker -> actuator -> taint seen by a node watch."""
+    from pipeline.benchmarks.burst import burst
+
+    return _needs_kube(ctx, "burst") or await burst(ctx.bootstrap, ctx.kubeconfig or "", ctx.nodes, ctx.progress)
+
+
+@register("failover")
+async def failover_section(ctx: BenchContext) -> dict[str, Any]:
+    """The burst with one of two actuators, then the worker, SIGKILLed and restarted during it."""
+    from pipeline.benchmarks.burst import failover
+
+    return _needs_kube(ctx, "failover") or await failover(
+        ctx.bootstrap, ctx.kubeconfig or "", ctx.nodes, ctx.progress
+    )
+
+
+@register("rolling")
+async def rolling_section(ctx: BenchContext) -> dict[str, Any]:
+    """Paced lines while each of two workers and two actuators is restarted with SIGTERM in turn."""
+    from pipeline.benchmarks.burst import rolling
+
+    return _needs_kube(ctx, "rolling") or await rolling(ctx.bootstrap, ctx.kubeconfig or "", ctx.nodes, ctx.progress)
+
+
 def _pct(sorted_values: list[float], q: float) -> float:
     index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
     return sorted_values[index]
@@ -403,6 +442,7 @@ async def run_bench(ctx: BenchContext, sections: list[str]) -> dict[str, Any]:
             "bootstrap": ctx.bootstrap,
             "cpus": os.cpu_count(),
             "python": sys.version.split()[0],
+            "load_avg_start": os.getloadavg(),  # the machine is shared: figures are read against this
         }
     )
     for name in sections:
@@ -411,4 +451,5 @@ async def run_bench(ctx: BenchContext, sections: list[str]) -> dict[str, Any]:
         except Exception as exc:  # noqa: BLE001 - report which section failed and why
             ctx.results[f"{name}_error"] = f"{type(exc).__name__}: {exc}"
     ctx.results["finished_at"] = datetime.now(UTC).isoformat()
+    ctx.results["load_avg_end"] = os.getloadavg()
     return ctx.results

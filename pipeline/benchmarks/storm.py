@@ -9,6 +9,7 @@ run made are cleaned up. Not a test: it prints and returns numbers.
 from __future__ import annotations
 
 import asyncio
+import collections
 import os
 import time
 import uuid
@@ -21,6 +22,44 @@ from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, publish
 from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings, TopicNames
+
+
+async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
+    """Nodes/s a bare client quarantines: per node the read and the conditional write the actuator does.
+
+    The write is the actuator's (``Engine._update_node``): one JSON merge patch with the node's
+    resourceVersion, cordon, taint and a ledger-sized annotation; ``concurrency`` calls at once.
+    """
+    sem = asyncio.Semaphore(concurrency)
+    ledger = "x" * 400
+
+    async def one(name: str) -> None:
+        async with sem:
+            node = await kube.get_node(name)
+            taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
+            body = {
+                "metadata": {
+                    "resourceVersion": node["metadata"]["resourceVersion"],
+                    "annotations": {"xidflow.bench/ledger": ledger},
+                },
+                "spec": {"unschedulable": True, "taints": taints},
+            }
+            await kube.patch_node(name, body)
+
+    start = time.perf_counter()
+    await asyncio.gather(*(one(n) for n in names))
+    return len(names) / (time.perf_counter() - start)
+
+
+def _count_calls(kube: Kube, calls: collections.Counter[str]) -> None:
+    """Count every API call this Kube makes, by client method (a profile of the storm)."""
+    original = kube._call
+
+    async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
+        calls[getattr(fn, "__name__", str(fn))] += 1
+        return await original(fn, *args, **kwargs)
+
+    kube._call = counted  # type: ignore[method-assign]
 
 
 def _quarantined(node: dict[str, Any], taint_key: str) -> bool:
@@ -52,7 +91,9 @@ async def storm(
     )
     admin = Kube.from_config(kubeconfig, 32)
     names = [f"storm-{tag}-{i:05d}" for i in range(nodes)]
+    raw_names = [f"storm-{tag}-raw-{i:05d}" for i in range(nodes)]
     actuators: list[Actuator] = []
+    calls: collections.Counter[str] = collections.Counter()
     tasks: list[asyncio.Task[None]] = []
     try:
         await ensure_topics(
@@ -69,6 +110,7 @@ async def storm(
                 kubeconfig,
                 PolicySet(),
             )
+            _count_calls(act.kube, calls)
             await act.start()
             actuators.append(act)
             tasks.append(asyncio.create_task(act.run()))
@@ -85,11 +127,22 @@ async def storm(
                 break
             await asyncio.sleep(0.05)
         seconds = time.perf_counter() - start
+        # The baseline, same run, same API server, same concurrency: a bare client's writes.
+        await create_nodes(admin, raw_names, {"xidflow.bench/storm-raw": tag})
+        raw_kube = Kube.from_config(kubeconfig, api_concurrency)
+        try:
+            raw_rate = await raw_quarantine_rate(raw_kube, raw_names, settings.taint_key, api_concurrency)
+        finally:
+            raw_kube.close()
         return {
+            "raw_nodes_per_s": round(raw_rate, 1),
+            "storm_vs_raw_ratio": round(nodes / seconds / raw_rate, 3),
             "storm_nodes": nodes,
             "storm_seconds": round(seconds, 3),
             "storm_nodes_per_s": round(nodes / seconds, 1),
             "storm_api_concurrency": api_concurrency,
+            # Profile: API calls the actuators made per quarantined node, by call (the raw client makes 2).
+            "storm_api_calls_per_node": {k: round(v / nodes, 2) for k, v in calls.most_common()},
             "storm_replicas": replicas,
         }
     finally:
@@ -98,7 +151,7 @@ async def storm(
         await asyncio.gather(*tasks, return_exceptions=True)
         for act in actuators:
             await act.stop()
-        await delete_nodes(admin, names)
+        await delete_nodes(admin, [*names, *raw_names])
         try:
             await admin._call(admin.core.delete_namespace, settings.namespace)
         except Exception:  # noqa: BLE001 - the namespace may not exist when setup failed early

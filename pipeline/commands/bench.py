@@ -30,8 +30,13 @@ import click
     help="Background noise lines/s during the latency run.",
 )
 @click.option(
-    "--sections", default="throughput,latency,parse,storm", show_default=True, help="Comma-separated sections to run."
+    "--sections",
+    default="throughput,latency,parse,storm,burst,failover,rolling",
+    show_default=True,
+    help="Comma-separated sections to run (e.g. --sections burst --nodes 100 for a quick run).",
 )
+@click.option("--nodes", type=click.IntRange(1, 5000), default=500, show_default=True,
+              help="Nodes that each get one fatal kernel line in the burst, failover and rolling sections.")
 @click.option("--storm-nodes", type=click.IntRange(1, 5000), default=500, show_default=True,
               help="Nodes that get a fatal Xid at once in the actuator storm.")
 @click.option(
@@ -57,6 +62,7 @@ def bench(
     bootstrap: str | None,
     save_dir: Path,
     storm_nodes: int,
+    nodes: int,
 ) -> None:
     """Measure the parse stage against a raw aiokafka consumer, and line-to-incident latency."""
     import orjson
@@ -74,7 +80,8 @@ def bench(
     infra = None
     tmp = None
     kubeconfig = os.environ.get("KUBECONFIG")
-    if not bootstrap or ("storm" in names and not kubeconfig):
+    needs_kube = {"storm", "burst", "failover", "rolling"}
+    if not bootstrap or (needs_kube & set(names) and not kubeconfig):
         from pipeline.localinfra.launcher import LocalInfra
 
         tmp = tempfile.TemporaryDirectory(prefix="xidflow-bench-")
@@ -103,6 +110,7 @@ def bench(
                 latency_samples=latency_samples,
                 kubeconfig=kubeconfig,
                 storm_nodes=storm_nodes,
+                nodes=nodes,
                 progress=report,
             )
             results = asyncio.run(run_bench(ctx, names))
@@ -129,6 +137,20 @@ def bench(
         ("storm: nodes quarantined at once", "storm_nodes", "{}"),
         ("storm: seconds until all quarantined", "storm_seconds", "{:.2f} s"),
         ("storm: nodes quarantined per second", "storm_nodes_per_s", "{:,.0f} nodes/s"),
+        ("raw API writes of the same patches", "raw_nodes_per_s", "{:,.0f} nodes/s"),
+        ("storm / raw write rate (goal >= 0.5)", "storm_vs_raw_ratio", "{:.2f}"),
+        ("burst: nodes, one fatal line each at once", "burst_samples", "{}"),
+        ("burst p50 (line -> taint)", "burst_p50_ms", "{:,.0f} ms"),
+        ("burst p99 (goal < 1000 ms)", "burst_p99_ms", "{:,.0f} ms"),
+        ("burst max", "burst_max_ms", "{:,.0f} ms"),
+        ("failover, actuator SIGKILLed: p99 (goal < 5000 ms)", "failover_actuator_p99_ms", "{:,.0f} ms"),
+        ("failover, actuator: lines over 5 s", "failover_actuator_over_5s", "{}"),
+        ("failover, actuator: kill to back in group", "failover_actuator_restart_s", "{:.1f} s"),
+        ("failover, worker SIGKILLed: p99 (goal < 5000 ms)", "failover_worker_p99_ms", "{:,.0f} ms"),
+        ("failover, worker: lines over 5 s", "failover_worker_over_5s", "{}"),
+        ("failover, worker: kill to back in groups", "failover_worker_restart_s", "{:.1f} s"),
+        ("rolling SIGTERM restart: p99 (goal < 1000 ms)", "rolling_p99_ms", "{:,.0f} ms"),
+        ("rolling: lines over 5 s / lines", "rolling_over_5s", "{}"),
     ]
     for label, key, fmt in rows:
         if key in results:

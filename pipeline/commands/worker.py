@@ -22,7 +22,10 @@ from pipeline.logconfig import log_options
 @click.option("--web-port", type=int, default=None, help="Serve Prometheus metrics on this port.")
 @click.option("--parse/--no-parse", default=None, help="Run the parse service.")
 @click.option("--aggregate/--no-aggregate", default=None, help="Run the aggregation agent.")
-@click.option("--session-timeout", type=float, default=None, help="Group session timeout in seconds.")
+@click.option("--session-timeout", type=float, default=None,
+              help="Group session timeout in seconds. [env XIDFLOW_GROUP_SESSION_TIMEOUT_S]")
+@click.option("--instance-id", default=None,
+              help="Static group member id (KIP-345). [env XIDFLOW_GROUP_INSTANCE_ID, else POD_NAME]")
 @log_options
 def worker(
     bootstrap: str,
@@ -32,13 +35,15 @@ def worker(
     parse: bool | None,
     aggregate: bool | None,
     session_timeout: float | None,
+    instance_id: str | None,
 ) -> None:
     """Run the Faust parse and aggregation worker until interrupted."""
     import faust
 
+    from pipeline import copartition
     from pipeline.app import WorkerSettings, create_app, worker_topics
     from pipeline.kafka_admin import ensure_topics
-    from pipeline.settings import TopicNames
+    from pipeline.settings import ConsumerGroupSettings, TopicNames
 
     overrides = {
         "app_id": app_id,
@@ -46,8 +51,8 @@ def worker(
         "web_port": web_port,
         "parse": parse,
         "aggregate": aggregate,
-        "session_timeout_s": session_timeout,
     }
+    group_overrides = {"session_timeout_s": session_timeout, "instance_id": instance_id}
     from aiokafka.errors import KafkaError
     from pydantic import ValidationError
 
@@ -58,6 +63,7 @@ def worker(
     try:  # every setting is checked before anything connects: a bad value changes nothing
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
         topics = TopicNames()
+        group = ConsumerGroupSettings(**{k: v for k, v in group_overrides.items() if v is not None})
         AggregationSettings()
         ParseSettings()
         Catalog.configured()  # the instance every stage of this process classifies with (overrides included)
@@ -66,9 +72,20 @@ def worker(
     except CatalogError as exc:
         raise click.ClickException(f"invalid catalog override: {exc}") from exc
     names = worker_topics(settings.app_id, topics)
-    # The fault-event topic's partition count decides the table's: they must be co-partitioned.
+    # The fault-event topic's partition count decides the ticks topic's and the table's: they must be
+    # co-partitioned, and the worker refuses to run when they are not (pipeline.copartition).
+    shared = copartition.copartitioned_topics(settings.app_id, topics.name("fault_events"))
+
+    async def prepare_topics() -> int:
+        count = await copartition.prepare(bootstrap, shared, settings.partitions, settings.replication_factor)
+        others = [n for n in names if n not in shared]
+        await ensure_topics(bootstrap, others, settings.partitions, settings.replication_factor)
+        return count
+
     try:
-        actual = asyncio.run(ensure_topics(bootstrap, names, settings.partitions, settings.replication_factor))
+        actual = asyncio.run(prepare_topics())
+    except copartition.CopartitionError as exc:
+        raise click.ClickException(str(exc)) from exc
     except (KafkaError, OSError) as exc:
         raise click.ClickException(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
     if actual != settings.partitions:
@@ -77,7 +94,7 @@ def worker(
     from pipeline.metrics import serve_metrics
 
     serve_metrics(settings.web_port or None)
-    xapp = create_app(bootstrap, settings, topics)
+    xapp = create_app(bootstrap, settings, topics, group=group)
     from pipeline.heartbeat import install_faust
 
     install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)

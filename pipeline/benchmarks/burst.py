@@ -1,0 +1,440 @@
+"""Kernel line to taint, end to end, under a burst and through failover and rolling restarts.
+
+Each scenario builds its own world (topic prefix, worker app id, actuator group, N fresh fake GPU
+nodes in the API server) and runs real processes: ``xidflow worker`` (parse stage + aggregation)
+and two ``xidflow actuator`` replicas, each a static group member (``XIDFLOW_GROUP_INSTANCE_ID``).
+One fatal kernel line (Xid 79, as Fluent Bit's kmsg input writes it) per node goes to the raw kernel
+topic; a watch on the nodes sees each node's quarantine taint appear. Latency = the moment the watch
+saw the taint - the moment the line was handed to the producer (same clock, same process).
+
+- ``burst``: every node's line at once, nothing disturbed.
+- ``failover_actuator``: the same burst; one of the two actuator replicas is SIGKILLed right after
+  the burst is produced and restarted at once with the same identity (what the kubelet does to a
+  crashed container: same pod, same name).
+- ``failover_worker``: the same with the worker SIGKILLed and restarted.
+- ``rolling``: two workers and two actuators; lines are paced over the time it takes to restart
+  each process in turn with SIGTERM (each waits for the previous one to be back in its groups).
+
+Not a test: it returns numbers (``pipeline.benchmarks.pipeline`` puts them under stable keys).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import orjson
+from aiokafka.errors import KafkaError
+
+from pipeline import kafka_clients
+from pipeline.actuator.kube import Kube
+from pipeline.actuator.testing import create_nodes, delete_nodes
+from pipeline.group_membership import GroupView, describe_group
+from pipeline.kafka_admin import ensure_topics
+from pipeline.settings import TopicNames
+
+FATAL_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+TAINT_KEY = "nvidia.com/gpu-fault"
+SLOW_MS = 5000.0
+PACE_S = 0.15
+"""Seconds between two paced lines in the rolling scenario (its N nodes last N x 0.15 seconds)."""
+
+
+def kmsg(line: str, node: str, seq: int) -> bytes:
+    """A Fluent Bit kmsg-input record as its Kafka output writes it (format json)."""
+    return orjson.dumps(
+        {"priority": 2, "sequence": seq, "sec": 1000 + seq, "usec": 0, "msg": line, "hostname": node,
+         "@timestamp": time.time()}
+    )
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def summarize(prefix: str, latencies_ms: list[float], expected: int) -> dict[str, Any]:
+    """``<prefix>_p50_ms``, ``_p99_ms``, ``_max_ms``, ``_samples``, ``_missing``, ``_over_5s``."""
+    values = sorted(latencies_ms)
+    out: dict[str, Any] = {
+        f"{prefix}_samples": len(values),
+        f"{prefix}_missing": expected - len(values),
+        f"{prefix}_over_5s": sum(v > SLOW_MS for v in values) + (expected - len(values)),
+    }
+    if values:
+        out.update(
+            {
+                f"{prefix}_p50_ms": round(percentile(values, 0.50), 1),
+                f"{prefix}_p99_ms": round(percentile(values, 0.99), 1),
+                f"{prefix}_max_ms": round(values[-1], 1),
+            }
+        )
+    return out
+
+
+@dataclass
+class Proc:
+    """One ``xidflow`` process of a scenario, restartable with the same identity."""
+
+    name: str
+    args: list[str]
+    env: dict[str, str]
+    log: Path
+    proc: asyncio.subprocess.Process | None = None
+
+    async def start(self) -> None:
+        out = self.log.open("ab")
+        try:
+            self.proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "pipeline.cli", *self.args, env=self.env, stdout=out, stderr=out
+            )
+        finally:
+            out.close()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def signal(self, sig: signal.Signals, wait_s: float = 60) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.send_signal(sig)
+        try:
+            await asyncio.wait_for(self.proc.wait(), wait_s)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+
+    def tail(self) -> str:
+        return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
+
+
+class NodeWatch:
+    """A watch on the scenario's nodes (a thread): when each node's quarantine taint was first seen."""
+
+    def __init__(self, kube: Kube, selector: str, resource_version: str) -> None:
+        self.kube, self.selector, self.rv = kube, selector, resource_version
+        self.tainted: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-node-watch", daemon=True)
+        self._resp: Any = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._resp = self.kube.core.list_node(
+                    watch=True,
+                    label_selector=self.selector,
+                    resource_version=self.rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=300,
+                    _preload_content=False,
+                )
+                buffer = b""
+                for chunk in self._resp.stream(65536, decode_content=True):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    now = time.time()
+                    for line in lines:
+                        if line.strip():
+                            self._event(orjson.loads(line), now)
+                    if self._stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001 - a dropped watch is resumed from the last version
+                if self._stop.is_set():
+                    return
+                time.sleep(0.1)
+
+    def _event(self, event: dict[str, Any], now: float) -> None:
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        if meta.get("resourceVersion"):
+            self.rv = meta["resourceVersion"]
+        if event.get("type") not in ("ADDED", "MODIFIED"):
+            return
+        name = meta.get("name")
+        taints = (obj.get("spec") or {}).get("taints") or []
+        if name and name not in self.tainted and any(t.get("key") == TAINT_KEY for t in taints):
+            self.tainted[name] = now
+
+    def stop(self) -> None:
+        self._stop.set()
+        with contextlib.suppress(Exception):
+            if self._resp is not None:
+                self._resp.close()
+
+
+@dataclass
+class World:
+    """One scenario's topics, nodes, processes and clock."""
+
+    bootstrap: str
+    kubeconfig: str
+    nodes: int
+    partitions: int
+    workers: int = 1
+    actuators: int = 2
+    tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
+    procs: dict[str, Proc] = field(default_factory=dict)
+    logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="xidflow-bench-")))
+
+    def __post_init__(self) -> None:
+        self.topics = TopicNames(prefix=f"b{self.tag}.")
+        self.app_id = f"bench-{self.tag}"
+        self.actuator_group = f"bench-act-{self.tag}"
+        self.selector = f"xidflow.bench/burst={self.tag}"
+        self.namespace = f"xidflow-bench-{self.tag}"
+        self.names = [f"b{self.tag}-{i:05d}" for i in range(self.nodes)]
+        self.warm = [f"b{self.tag}-warm-{i}" for i in range(4)]
+        self.kube = Kube.from_config(self.kubeconfig, 32)
+        env = {
+            **os.environ,
+            "KAFKA_BOOTSTRAP_SERVERS": self.bootstrap,
+            "KUBECONFIG": self.kubeconfig,
+            "XIDFLOW_TOPIC_PREFIX": self.topics.prefix,
+            "XIDFLOW_METRICS_PORT": "0",
+            "XIDFLOW_PARSE_POLL_TIMEOUT_MS": "5",
+            "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": self.selector,
+            "XIDFLOW_ACTUATOR_NAMESPACE": self.namespace,
+            "XIDFLOW_ACTUATOR_GROUP_ID": self.actuator_group,
+            "XIDFLOW_ACTUATOR_POLICY_SOURCE": "file",
+            "XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE": "1.0",
+            "XIDFLOW_ACTUATOR_TAINT_KEY": TAINT_KEY,
+        }
+        env.pop("POD_NAME", None)
+        for i in range(self.workers):
+            name = f"worker-{i}"
+            args = ["worker", "--app-id", self.app_id, "--partitions", str(self.partitions), "--loglevel", "info"]
+            self.procs[name] = Proc(name, args, {**env, "XIDFLOW_GROUP_INSTANCE_ID": name}, self.logdir / f"{name}.log")
+        for i in range(self.actuators):
+            name = f"actuator-{i}"
+            args = ["actuator", "--no-api", "--log-level", "WARNING"]
+            self.procs[name] = Proc(name, args, {**env, "XIDFLOW_GROUP_INSTANCE_ID": name}, self.logdir / f"{name}.log")
+
+    def check_alive(self) -> None:
+        for name, proc in self.procs.items():
+            if not proc.alive():
+                code = proc.proc.returncode if proc.proc else None
+                raise RuntimeError(f"{name} exited ({code}), log {proc.log}: {proc.tail()}")
+
+    def groups(self, proc: str) -> list[str]:
+        """The consumer groups a process is a member of."""
+        return [self.app_id, f"{self.app_id}-parse"] if proc.startswith("worker") else [self.actuator_group]
+
+    async def setup(self) -> None:
+        from pipeline.app import worker_topics
+
+        await ensure_topics(self.bootstrap, worker_topics(self.app_id, self.topics), self.partitions)
+        names = ("incidents", "remediation_requests", "remediation_audit", "deadletter")
+        await ensure_topics(self.bootstrap, [self.topics.name(n) for n in names], self.partitions)
+        await create_nodes(self.kube, [*self.names, *self.warm], {"xidflow.bench/burst": self.tag})
+        for proc in self.procs.values():
+            await proc.start()
+        await self.wait_members(list(self.procs))
+
+    async def member_ids(self, proc: str) -> dict[str, str | None]:
+        """group -> the broker's member id for this process's static membership (None: not a member)."""
+        out: dict[str, str | None] = {}
+        for g in self.groups(proc):
+            member = (await describe_group(self.bootstrap, g)).member(proc)
+            out[g] = member.member_id if member else None
+        return out
+
+    async def wait_members(
+        self, procs: list[str], limit_s: float = 180, replaced: dict[str, str | None] | None = None
+    ) -> None:
+        """Until every group of these processes is Stable with each of them holding partitions.
+
+        ``replaced``: group -> a member id that no longer counts (the process was restarted since).
+        """
+        deadline = time.monotonic() + limit_s
+        wanted: dict[str, set[str]] = {}
+        for p in self.procs:
+            for g in self.groups(p):
+                wanted.setdefault(g, set()).add(p)
+        groups = {g for p in procs for g in self.groups(p)}
+        while True:
+            for p in procs:
+                if not self.procs[p].alive():
+                    raise RuntimeError(f"{p} exited: {self.procs[p].tail()}")
+            views: list[GroupView] = []
+            with contextlib.suppress(KafkaError):
+                views = [await describe_group(self.bootstrap, g) for g in sorted(groups)]
+            stale = set((replaced or {}).values())
+            if views and all(v.state == "Stable" and self._holding(v, wanted[v.group], stale) for v in views):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"groups did not settle within {limit_s:.0f}s: {views}")
+            await asyncio.sleep(0.2)
+
+    def _holding(self, view: GroupView, procs: set[str], stale: set[str | None]) -> bool:
+        """Every running one of ``procs`` is a member of the group with partitions assigned."""
+        members = [view.member(p) for p in procs if self.procs[p].alive()]
+        return all(m is not None and m.partitions and m.member_id not in stale for m in members)
+
+    async def warm_up(self, producer: Any) -> None:
+        """One line per warm node through the whole path, so no join or first-call cost is timed."""
+        rv = await self.resource_version()
+        watch = NodeWatch(self.kube, self.selector, rv)
+        watch.start()
+        try:
+            topic = self.topics.name("logs_kernel")
+            for i, node in enumerate(self.warm):
+                await producer.send_and_wait(topic, kmsg(FATAL_LINE, node, i), key=node.encode())
+            deadline = time.monotonic() + 120
+            while not all(n in watch.tainted for n in self.warm):
+                if time.monotonic() > deadline:
+                    raise RuntimeError("warm-up: the pipeline did not taint its warm-up nodes within 120 s")
+                await asyncio.sleep(0.1)
+        finally:
+            watch.stop()
+
+    async def resource_version(self) -> str:
+        page = await self.kube._call(self.kube.core.list_node, label_selector=self.selector, limit=1)
+        return page["metadata"]["resourceVersion"]
+
+    async def teardown(self) -> None:
+        for proc in self.procs.values():
+            await proc.signal(signal.SIGTERM, 30)
+        with contextlib.suppress(Exception):
+            await delete_nodes(self.kube, [*self.names, *self.warm])
+        with contextlib.suppress(Exception):
+            await self.kube._call(self.kube.core.delete_namespace, self.namespace)
+        self.kube.close()
+
+
+Disruption = Callable[[World], Awaitable[dict[str, Any]]]
+
+
+async def run_scenario(
+    bootstrap: str,
+    kubeconfig: str,
+    nodes: int,
+    prefix: str,
+    partitions: int = 8,
+    workers: int = 1,
+    disrupt: Disruption | None = None,
+    pace_until_done: bool = False,
+    progress: Callable[[str, float, float], None] = lambda t, d, n: None,
+) -> dict[str, Any]:
+    """Run one scenario; return its figures under ``<prefix>_*`` keys.
+
+    ``disrupt`` runs right after the burst is handed to the producer (or, with ``pace_until_done``,
+    while lines are paced out, one node at a time, until it returns).
+    """
+    world = World(bootstrap, kubeconfig, nodes, partitions, workers=workers)
+    producer = kafka_clients.producer(bootstrap, acks=1, linger_ms=5)
+    sent: dict[str, float] = {}
+    extra: dict[str, Any] = {}
+    watch: NodeWatch | None = None
+    try:
+        progress(f"{prefix}: setup", 0, 1)
+        await world.setup()
+        await producer.start()
+        await world.warm_up(producer)
+        progress(f"{prefix}: setup", 1, 1)
+        watch = NodeWatch(world.kube, world.selector, await world.resource_version())
+        watch.start()
+        await asyncio.sleep(0.3)  # the watch is established before the clock starts
+        topic = world.topics.name("logs_kernel")
+        if not pace_until_done:
+            futures = []
+            for i, node in enumerate(world.names):
+                sent[node] = time.time()
+                futures.append(await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode()))
+            disruption = asyncio.ensure_future(disrupt(world)) if disrupt else None
+            await asyncio.gather(*futures)
+            if disruption is not None:
+                extra = await disruption
+        else:
+            assert disrupt is not None
+            disruption = asyncio.ensure_future(disrupt(world))
+            for i, node in enumerate(world.names):
+                if disruption.done():
+                    break
+                sent[node] = time.time()
+                await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode())
+                await asyncio.sleep(PACE_S)
+            extra = await disruption
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not all(n in watch.tainted for n in sent):
+            world.check_alive()
+            progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
+            await asyncio.sleep(0.2)
+        progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
+        latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
+        return {**summarize(prefix, latencies, len(sent)), **extra}
+    finally:
+        if watch is not None:
+            watch.stop()
+        await producer.stop()
+        await world.teardown()
+
+
+async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
+    """SIGKILL one process mid-burst, restart it at once (same identity); seconds until it is back."""
+    await asyncio.sleep(delay_s)
+    p = world.procs[proc]
+    before = await world.member_ids(proc)
+    start = time.monotonic()
+    await p.signal(signal.SIGKILL)
+    await p.start()
+    await world.wait_members([proc], replaced=before)
+    return {"restart_s": round(time.monotonic() - start, 2)}
+
+
+async def rolling_restart(world: World) -> dict[str, Any]:
+    """SIGTERM and restart each process in turn, each back in its groups before the next."""
+    await asyncio.sleep(1.0)
+    took: dict[str, dict[str, float]] = {}
+    for name, proc in world.procs.items():
+        before = await world.member_ids(name)
+        start = time.monotonic()
+        await proc.signal(signal.SIGTERM)
+        stopped = time.monotonic()
+        await proc.start()
+        await world.wait_members(list(world.procs), replaced=before)
+        # Profile: how long the orderly stop took, and the new process until every group is settled.
+        took[name] = {"stop_s": round(stopped - start, 2), "back_s": round(time.monotonic() - stopped, 2)}
+    await asyncio.sleep(1.0)
+    return {"rolling_restart_s": took}
+
+
+async def burst(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
+    kw = {"progress": progress} if progress else {}
+    return await run_scenario(bootstrap, kubeconfig, nodes, "burst", **kw)
+
+
+async def failover(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
+    kw = {"progress": progress} if progress else {}
+
+    async def actuator(world: World) -> dict[str, Any]:
+        return {f"failover_actuator_{k}": v for k, v in (await kill_and_restart(world, "actuator-1")).items()}
+
+    async def worker(world: World) -> dict[str, Any]:
+        return {f"failover_worker_{k}": v for k, v in (await kill_and_restart(world, "worker-0")).items()}
+
+    out = await run_scenario(bootstrap, kubeconfig, nodes, "failover_actuator", disrupt=actuator, **kw)
+    out.update(await run_scenario(bootstrap, kubeconfig, nodes, "failover_worker", disrupt=worker, **kw))
+    return out
+
+
+async def rolling(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
+    kw = {"progress": progress} if progress else {}
+    return await run_scenario(
+        bootstrap, kubeconfig, nodes, "rolling", workers=2, disrupt=rolling_restart, pace_until_done=True, **kw
+    )
