@@ -12,6 +12,7 @@ from rich.table import Table
 
 from pipeline.localinfra.install import InstallError, ensure_controlplane, ensure_kafka
 from pipeline.localinfra.launcher import LocalInfra, default_state_dir
+from pipeline.localinfra.loki import ensure_loki
 from pipeline.localinfra.procs import StartError
 
 err = Console(stderr=True)
@@ -33,12 +34,25 @@ def local() -> None:
 
 
 @local.command()
-def install() -> None:
+@click.option("--loki/--no-loki", default=True, show_default=True,
+              help="Also build Loki (several minutes on a cold cache, then cached).")
+@click.option("--rsyslog/--no-rsyslog", default=False, show_default=True,
+              help="Also install Debian's rsyslog with omkafka when missing (apt-get; root), for its tests.")
+def install(loki: bool, rsyslog: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         t0 = time.monotonic()
         ensure_kafka(_log)
         ensure_controlplane(_log)
+        if loki:
+            ensure_loki(_log)
+        if rsyslog:
+            from pipeline.localinfra.rsyslog import ensure_rsyslog_kafka
+
+            try:
+                ensure_rsyslog_kafka(_log)
+            except InstallError as exc:  # only its tests need it; they fail loudly with this reason
+                err.print(f"[yellow]warning:[/] {exc}")
         _log(f"installed in {time.monotonic() - t0:.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")
@@ -48,13 +62,14 @@ def install() -> None:
 @local.command()
 @click.option("--kafka-brokers", type=click.IntRange(1, 5), default=1, show_default=True,
               help="Number of Kafka brokers (KRaft, on loopback); use 3 for failure tests.")
+@click.option("--loki", is_flag=True, help="Also start a single-binary Loki on loopback (prints LOKI_URL).")
 @state_dir_option
-def up(kafka_brokers: int, state_dir: Path | None) -> None:
+def up(kafka_brokers: int, loki: bool, state_dir: Path | None) -> None:
     """Start Kafka and the API server in the background (endpoints from the environment win)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     t0 = time.monotonic()
     try:
-        endpoints = infra.up(kafka_brokers=kafka_brokers)
+        endpoints = infra.up(kafka_brokers=kafka_brokers, loki=loki)
     except (InstallError, StartError, OSError) as exc:
         err.print(f"[red]error:[/] could not start the local infrastructure: {exc}")
         sys.exit(1)
@@ -65,7 +80,7 @@ def up(kafka_brokers: int, state_dir: Path | None) -> None:
 @local.command()
 @state_dir_option
 def env(state_dir: Path | None) -> None:
-    """Print shell exports for KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG."""
+    """Print shell exports for KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG (and LOKI_URL after `up --loki`)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     if not infra.endpoints:
         err.print("[red]error:[/] the local infrastructure is not up; run: xidflow local up")
@@ -87,6 +102,8 @@ def status(state_dir: Path | None) -> None:
     if infra.endpoints:
         table.add_row("kafka bootstrap", infra.endpoints.kafka_bootstrap)
         table.add_row("kubeconfig", infra.endpoints.kubeconfig)
+        if infra.endpoints.loki_url:
+            table.add_row("loki", infra.endpoints.loki_url)
     Console().print(table)
     if not st or not all(st.values()):
         sys.exit(1)
