@@ -115,6 +115,9 @@ ingester:
   wal:
     enabled: true
     dir: {data}/wal
+  lifecycler:
+    min_ready_duration: 0s
+    final_sleep: 0s
 memberlist:
   bind_addr: [127.0.0.1]
   advertise_addr: 127.0.0.1
