@@ -122,10 +122,18 @@ class TailMessage:
     malformed: list[str] = field(default_factory=list)
 
 
+DERIVED_LABELS = frozenset({"detected_level"})
+"""Labels Loki derives at query time and shows inconsistently: a query (the replay on connect) returns
+``detected_level`` (structured metadata from ``discover_log_levels``), a live tail does not. They are
+left out of an entry's identity so a replayed entry is recognised."""
+
+
 def entry_identity(labels: Mapping[str, str], line: str) -> str:
     """A short digest of an entry's stream labels and line; two streams may log the same line at once."""
     h = hashlib.blake2b(digest_size=12)
     for name in sorted(labels):
+        if name in DERIVED_LABELS:
+            continue
         h.update(str(name).encode("utf-8", "surrogatepass"))
         h.update(b"=")
         h.update(str(labels[name]).encode("utf-8", "surrogatepass"))
@@ -324,7 +332,13 @@ class LokiTailBridge:
                 return 0
             from aiokafka import TopicPartition
 
-            partitions = [TopicPartition(self.topic, p) for p in sorted(consumer.partitions_for_topic(self.topic))]
+            ids = consumer.partitions_for_topic(self.topic)
+            if not ids:  # topics() fetched metadata apart; the client's own view needs a refresh
+                await consumer._client.force_metadata_update()
+                ids = consumer.partitions_for_topic(self.topic) or set()
+            partitions = [TopicPartition(self.topic, p) for p in sorted(ids)]
+            if not partitions:
+                return 0
             consumer.assign(partitions)
             ends = await consumer.end_offsets(partitions)
             begins = await consumer.beginning_offsets(partitions)

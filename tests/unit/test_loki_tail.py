@@ -123,3 +123,12 @@ def test_auth_headers_tenant_basic_and_bearer_file(tmp_path) -> None:
     assert LokiAuth().ssl_context() is None
     # One tail, one identity: tenant and query both name it.
     assert tail_identity('{a="b"}', "t1") == tail_identity('{a="b"}', "t1") != tail_identity('{a="b"}', "t2")
+
+
+def test_identity_ignores_labels_loki_derives_only_in_query_results() -> None:
+    """A replay (query) carries detected_level, the live tail does not: still the same entry."""
+    live = TailEntry(5, {"job": "kmsg", "node": "n1", "service_name": "kmsg"}, "NVRM: Xid 79")
+    replayed = TailEntry(5, {**live.labels, "detected_level": "unknown"}, "NVRM: Xid 79")
+    cursor = TailCursor()
+    cursor.mark(live)
+    assert not cursor.is_new(replayed)
