@@ -103,7 +103,7 @@ def status(state_dir: Path | None) -> None:
         table.add_row("kafka bootstrap", infra.endpoints.kafka_bootstrap)
         table.add_row("kubeconfig", infra.endpoints.kubeconfig)
         if infra.endpoints.loki_url:
-            table.add_row("loki", infra.endpoints.loki_url)
+            table.add_row("loki url", infra.endpoints.loki_url)
     Console().print(table)
     if not st or not all(st.values()):
         sys.exit(1)
