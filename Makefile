@@ -16,9 +16,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Builds/downloads kube-apiserver, etcd and the Kafka jars once (cached under ~/.cache/xidflow).
+# Builds/downloads kube-apiserver, etcd, Loki and the Kafka jars once (cached under ~/.cache/xidflow),
+# and installs Debian's rsyslog + omkafka when missing (for the rsyslog tests; needs root + apt-get).
 infra: setup
-	$(VENV)/bin/xidflow local install
+	$(VENV)/bin/xidflow local install --loki --rsyslog
 
 demo: infra
 	$(VENV)/bin/xidflow demo

@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 from pydantic import ValidationError
 
+from pipeline import shippers
 from pipeline.parsing.kmsg import decode_kmsg_escapes
 from schemas.records import DeadLetter, LogRecord, Source
 
@@ -337,6 +338,9 @@ class _Context:
     # -- plain text ------------------------------------------------------------------------------
 
     def from_text(self, value: bytes) -> tuple[list[LogRecord], list[DeadLetter]]:
+        syslog = shippers.syslog_lines(value.decode("utf-8", "replace"), self.fallback_time())
+        if syslog is not None:  # rsyslog & co: host and time in each line's syslog header
+            return self.from_shipped(syslog, value)
         node = self.fallback_node()
         if node is None:
             reason = "plain-text record without node: set the Kafka key or a 'node' header"
@@ -366,6 +370,10 @@ class _Context:
         try:
             if "streams" in obj:
                 return self.from_loki(obj, value)
+            if shippers.is_otlp_logs(obj):
+                return self.from_shipped(shippers.otlp_lines(obj), value)
+            if shippers.is_filebeat(obj):
+                return self.from_shipped([shippers.filebeat_line(obj)], value)
             if obj.get("type") == "log" and "line" in obj:
                 return [self.from_logrecord(obj)], []
             return [self.from_fluentbit(obj, ts_hint)], []
@@ -428,7 +436,9 @@ class _Context:
             node = self.record_node(obj) or self.fallback_node()
             boot_id = obj.get("boot_id")
             msg = decode_kmsg_escapes(obj["msg"]) if isinstance(obj["msg"], str) else obj["msg"]  # \x0a etc.
-            return self.make(node, Source.KERNEL, ts, msg, "fluentbit-kmsg", boot_id=boot_id)
+            record = self.make(node, Source.KERNEL, ts, msg, "fluentbit-kmsg", boot_id=boot_id)
+            record.replay_key = shippers.kmsg_replay_key(obj)
+            return record
         if "MESSAGE" in obj:
             ts = self.record_time(obj) or ts_hint or _journald_time(obj) or self.fallback_time()
             node = self.record_node(obj) or self.fallback_node()
@@ -474,6 +484,28 @@ class _Context:
             usec = usec if isinstance(usec, int) and 0 <= usec < 1_000_000 else 0
             return _from_number(sec * 1_000_000 + usec)
         return None
+
+    def from_shipped(
+        self, items: list[shippers.ShippedLine | shippers.ShapeError], value: bytes
+    ) -> tuple[list[LogRecord], list[DeadLetter]]:
+        """Lines that ``pipeline.shippers`` found in another shipper's record (OTLP, Filebeat, syslog)."""
+        records: list[LogRecord] = []
+        dead: list[DeadLetter] = []
+        for item in items:
+            if isinstance(item, shippers.ShapeError):
+                dead.append(self.dead(str(item), value))
+                continue
+            try:
+                ts = parse_timestamp(item.ts) if not isinstance(item.ts, datetime) else item.ts
+                source = Source.POD if item.pod else Source.KERNEL if item.kernel else self.default_source()
+                records.append(self.make(
+                    item.node or self.fallback_node(), source, ts or self.fallback_time(), item.line,
+                    item.shipper, namespace=item.namespace, pod=item.pod, container=item.container,
+                    boot_id=item.boot_id,
+                ))
+            except _Reject as exc:
+                dead.append(self.dead(f"{item.shipper} record: {exc}", value))
+        return records, dead
 
     # -- Loki ------------------------------------------------------------------------------------
 

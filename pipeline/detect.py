@@ -386,7 +386,7 @@ class Detector:
         **fields: object,
     ) -> FaultEvent:
         return FaultEvent(
-            id=stable_id(record.node, record.source.value, record.ts.isoformat(), line, offset),
+            id=stable_id(record.node, record.source.value, record.replay_key or record.ts.isoformat(), line, offset),
             node=record.node,
             kind=kind,
             source=record.source,

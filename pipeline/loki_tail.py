@@ -12,26 +12,33 @@ Resuming: ``start`` is inclusive, so after a disconnect we reconnect with ``star
 timestamp already produced and drop the replayed entries at exactly that timestamp that we already
 produced, recognised by (timestamp, digest of stream labels + line). Entries are marked produced only
 after Kafka acknowledged them (acks=all, idempotent producer), so a Kafka failure replays rather than
-loses. Known limits: if more than ``limit`` entries arrived while disconnected, Loki's replay cannot
-return the oldest of them (we log an error when a replay fills ``limit``); entries that Loki itself
-delivers late and out of order across streams are produced but do not move the resume point.
+loses. Every record carries a ``xidflow-loki-tail`` header naming the tail (a digest of tenant and
+query), so a restarted bridge rebuilds the cursor from the newest records of its own on the topic
+(scanning back at most ``resume_scan`` records per partition) and resumes where it was.
+Known limits: if more than ``limit`` entries arrived while disconnected, Loki's replay cannot return
+the oldest of them (we log an error when a replay fills ``limit``); entries that Loki itself delivers
+late and out of order across streams are produced but do not move the resume point.
 """
 
 from __future__ import annotations
 
 import asyncio
+import base64
 import hashlib
 import logging
 import random
+import ssl
 import time
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import orjson
 from websockets.exceptions import InvalidStatus
 
+from pipeline import kafka_clients
 from schemas.records import DeadLetter
 
 log = logging.getLogger(__name__)
@@ -44,6 +51,55 @@ class LokiRequestRejected(Exception):
 TAIL_PATH = "/loki/api/v1/tail"
 MAX_DELAY_FOR_S = 5  # Loki rejects delay_for above 5 seconds
 DEFAULT_LIMIT = 5000  # Loki's default max_entries_limit_per_query; larger limits are refused
+RESUME_HEADER = "xidflow-loki-tail"
+DEFAULT_RESUME_SCAN = 10_000
+
+
+@dataclass(frozen=True)
+class LokiAuth:
+    """How the bridge authenticates to Loki (or the gateway in front of it) and trusts its certificate.
+
+    Loki itself only reads the tenant header; basic auth and bearer tokens are checked by the gateway
+    (nginx, Grafana Cloud, an auth proxy). The bearer token file is read again on every connection, so
+    a rotated (projected service-account) token is picked up without a restart.
+    """
+
+    org_id: str | None = None
+    username: str | None = None
+    password: str | None = None
+    bearer_token_file: Path | None = None
+    ca_file: Path | None = None
+
+    def __post_init__(self) -> None:
+        if self.username is not None and self.bearer_token_file is not None:
+            raise ValueError("use basic auth (username/password) or a bearer token file, not both")
+        if self.password is not None and self.username is None:
+            raise ValueError("a password needs a username")
+
+    def headers(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        if self.org_id:
+            out["X-Scope-OrgID"] = self.org_id
+        if self.username is not None:
+            pair = f"{self.username}:{self.password or ''}".encode()
+            out["Authorization"] = "Basic " + base64.b64encode(pair).decode("ascii")
+        elif self.bearer_token_file is not None:
+            token = Path(self.bearer_token_file).read_text().strip()
+            if not token:
+                raise ValueError(f"bearer token file {self.bearer_token_file} is empty")
+            out["Authorization"] = f"Bearer {token}"
+        return out
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        """A context trusting ``ca_file`` (in addition to nothing else), or None for the system's trust."""
+        if self.ca_file is None:
+            return None
+        return ssl.create_default_context(cafile=str(self.ca_file))
+
+
+def tail_identity(query: str, org_id: str | None) -> str:
+    """Names one tail (tenant + query) in the records' resume header."""
+    return hashlib.blake2b(f"{org_id or ''}\x1f{query}".encode(), digest_size=8).hexdigest()
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,10 +122,18 @@ class TailMessage:
     malformed: list[str] = field(default_factory=list)
 
 
+DERIVED_LABELS = frozenset({"detected_level"})
+"""Labels Loki derives at query time and shows inconsistently: a query (the replay on connect) returns
+``detected_level`` (structured metadata from ``discover_log_levels``), a live tail does not. They are
+left out of an entry's identity so a replayed entry is recognised."""
+
+
 def entry_identity(labels: Mapping[str, str], line: str) -> str:
     """A short digest of an entry's stream labels and line; two streams may log the same line at once."""
     h = hashlib.blake2b(digest_size=12)
     for name in sorted(labels):
+        if name in DERIVED_LABELS:
+            continue
         h.update(str(name).encode("utf-8", "surrogatepass"))
         h.update(b"=")
         h.update(str(labels[name]).encode("utf-8", "surrogatepass"))
@@ -231,6 +295,8 @@ class LokiTailBridge:
         limit: int = DEFAULT_LIMIT,
         headers: Mapping[str, str] | None = None,
         backoff: Backoff | None = None,
+        auth: LokiAuth | None = None,
+        resume_scan: int = DEFAULT_RESUME_SCAN,
     ) -> None:
         tail_url(loki_url, query)  # validate early: a bad URL is a usage error, not a reconnect loop
         self.loki_url = loki_url
@@ -243,19 +309,65 @@ class LokiTailBridge:
         self.delay_for_s = delay_for_s
         self.limit = limit
         self.headers = dict(headers or {})
+        self.auth = auth or LokiAuth()
         self.backoff = backoff or Backoff()
         self.cursor = TailCursor()
         self.stats = BridgeStats()
+        self.resume_scan = resume_scan
+        org_id = self.auth.org_id or self.headers.get("X-Scope-OrgID")
+        self.identity = tail_identity(query, org_id)
+        self._record_headers = [(RESUME_HEADER, self.identity.encode())]
 
     def current_url(self) -> str:
         start = self.cursor.last_ts_ns if self.cursor.last_ts_ns is not None else self.first_start_ns
         return tail_url(self.loki_url, self.query, start_ns=start, delay_for_s=self.delay_for_s, limit=self.limit)
 
+    async def resume_from_kafka(self) -> int:
+        """Rebuild the cursor from this tail's newest records on the topic; returns how many were read."""
+        consumer = kafka_clients.consumer(bootstrap=self.bootstrap_servers, enable_auto_commit=False)
+        await consumer.start()
+        found = 0
+        try:
+            if self.topic not in await consumer.topics():
+                return 0
+            from aiokafka import TopicPartition
+
+            ids = consumer.partitions_for_topic(self.topic)
+            if not ids:  # topics() fetched metadata apart; the client's own view needs a refresh
+                await consumer._client.force_metadata_update()
+                ids = consumer.partitions_for_topic(self.topic) or set()
+            partitions = [TopicPartition(self.topic, p) for p in sorted(ids)]
+            if not partitions:
+                return 0
+            consumer.assign(partitions)
+            ends = await consumer.end_offsets(partitions)
+            begins = await consumer.beginning_offsets(partitions)
+            for tp in partitions:
+                consumer.seek(tp, max(begins[tp], ends[tp] - self.resume_scan))
+            pending = {tp for tp in partitions if ends[tp] > begins[tp]}
+            while pending:
+                batch = await consumer.getmany(*pending, timeout_ms=1000)
+                for records in batch.values():
+                    for rec in records:
+                        if (RESUME_HEADER, self.identity.encode()) in list(rec.headers or ()):
+                            for entry in parse_tail_message(rec.value).entries:
+                                self.cursor.mark(entry)
+                                found += 1
+                for tp in list(pending):
+                    if await consumer.position(tp) >= ends[tp]:
+                        pending.discard(tp)
+        finally:
+            await consumer.stop()
+        if found:
+            log.info("resuming tail %s after %d records of ours, from start=%s", self.identity, found,
+                     self.cursor.last_ts_ns)
+        return found
+
     async def run(self, stop: asyncio.Event | None = None) -> BridgeStats:
         """Tail until ``stop`` is set, reconnecting with backoff; returns the counters."""
-        from pipeline import kafka_clients
-
         stop = stop or asyncio.Event()
+        if self.cursor.last_ts_ns is None and self.resume_scan > 0:
+            await self.resume_from_kafka()
         producer = kafka_clients.producer(
             bootstrap=self.bootstrap_servers,
             acks="all",
@@ -303,7 +415,9 @@ class LokiTailBridge:
         connected_ns = time.time_ns()
         replayed = 0
         warned_replay_full = False
-        async with connect(url, additional_headers=self.headers, max_size=64 * 1024 * 1024) as ws:
+        headers = {**self.headers, **self.auth.headers()}
+        tls = self.auth.ssl_context() if url.startswith("wss:") else None
+        async with connect(url, additional_headers=headers, max_size=64 * 1024 * 1024, ssl=tls) as ws:
             self.stats.connections += 1
             log.info("tailing %s", url)
             stop_task = asyncio.ensure_future(stop.wait())
@@ -344,7 +458,11 @@ class LokiTailBridge:
                 reason = f"Loki stream has no '{self.node_label}' label: {dict(entry.labels)}"
                 futures.append(await self._dead_letter(producer, reason, encode_entry(entry)))
                 continue
-            futures.append(await producer.send(self.topic, encode_entry(entry), key=node.encode("utf-8")))
+            futures.append(
+                await producer.send(
+                    self.topic, encode_entry(entry), key=node.encode("utf-8"), headers=self._record_headers
+                )
+            )
             sent += 1
         if futures:
             # Mark entries produced only once Kafka acknowledged all of them: a failure here replays.

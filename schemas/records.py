@@ -152,6 +152,11 @@ class LogRecord(Record):
     container: str | None = None
     boot_id: str | None = Field(default=None, description="Node boot id when the shipper knows it")
     shipper: str = Field(default="plain", description="Adapter that produced the record")
+    replay_key: str | None = Field(
+        default=None,
+        description="What a shipper's replay of the line repeats exactly (kmsg: boot id, sequence, time since "
+        "boot); event ids use it in place of the timestamp, which a replay may shift",
+    )
 
     @property
     def record_id(self) -> str:

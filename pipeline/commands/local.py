@@ -10,11 +10,22 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.localinfra.install import InstallError, install_steps, run_steps
+from pipeline.localinfra.install import InstallError, InstallStep, Log, install_steps, run_steps
 from pipeline.localinfra.launcher import LocalInfra, default_state_dir
+from pipeline.localinfra.loki import ensure_loki
 from pipeline.localinfra.procs import StartError
 
 err = Console(stderr=True)
+
+
+def _ensure_rsyslog(log: Log) -> None:
+    """rsyslog with omkafka for its tests; a failure is a warning (only those tests need it, and fail loudly)."""
+    from pipeline.localinfra.rsyslog import ensure_rsyslog_kafka
+
+    try:
+        ensure_rsyslog_kafka(log)
+    except InstallError as exc:
+        err.print(f"[yellow]warning:[/] {exc}")
 
 
 def _log(msg: str) -> None:
@@ -33,10 +44,19 @@ def local() -> None:
 
 
 @local.command()
-def install() -> None:
+@click.option("--loki/--no-loki", default=True, show_default=True,
+              help="Also build Loki (several minutes on a cold cache, then cached).")
+@click.option("--rsyslog/--no-rsyslog", default=False, show_default=True,
+              help="Also install Debian's rsyslog with omkafka when missing (apt-get; root), for its tests.")
+def install(loki: bool, rsyslog: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
-        _log(f"installed in {run_steps(install_steps(), err):.1f}s")
+        steps = install_steps()
+        if loki:
+            steps.append(InstallStep("Loki (Go build)", ensure_loki))
+        if rsyslog:
+            steps.append(InstallStep("rsyslog with omkafka (apt-get, when missing)", _ensure_rsyslog))
+        _log(f"installed in {run_steps(steps, err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")
         sys.exit(1)
@@ -47,13 +67,14 @@ def install() -> None:
               help="Number of Kafka brokers (KRaft, on loopback); use 3 for failure tests.")
 @click.option("--kafka-security", type=click.Choice(["plaintext", "sasl_ssl"]), default="plaintext", show_default=True,
               help="sasl_ssl: SCRAM-SHA-512 over TLS, ACLs, one user per component (env prints the admin's).")
+@click.option("--loki", is_flag=True, help="Also start a single-binary Loki on loopback (prints LOKI_URL).")
 @state_dir_option
-def up(kafka_brokers: int, kafka_security: str, state_dir: Path | None) -> None:
+def up(kafka_brokers: int, kafka_security: str, loki: bool, state_dir: Path | None) -> None:
     """Start Kafka and the API server in the background (endpoints from the environment win)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     t0 = time.monotonic()
     try:
-        endpoints = infra.up(kafka_brokers=kafka_brokers, kafka_security=kafka_security)
+        endpoints = infra.up(kafka_brokers=kafka_brokers, kafka_security=kafka_security, loki=loki)
     except (InstallError, StartError, OSError) as exc:
         err.print(f"[red]error:[/] could not start the local infrastructure: {exc}")
         sys.exit(1)
@@ -64,7 +85,7 @@ def up(kafka_brokers: int, kafka_security: str, state_dir: Path | None) -> None:
 @local.command()
 @state_dir_option
 def env(state_dir: Path | None) -> None:
-    """Print shell exports for KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG."""
+    """Print shell exports for KAFKA_BOOTSTRAP_SERVERS and KUBECONFIG (and LOKI_URL after `up --loki`)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     if not infra.endpoints:
         err.print("[red]error:[/] the local infrastructure is not up; run: xidflow local up")
@@ -86,6 +107,8 @@ def status(state_dir: Path | None) -> None:
     if infra.endpoints:
         table.add_row("kafka bootstrap", infra.endpoints.kafka_bootstrap)
         table.add_row("kubeconfig", infra.endpoints.kubeconfig)
+        if infra.endpoints.loki_url:
+            table.add_row("loki url", infra.endpoints.loki_url)
     Console().print(table)
     if not st or not all(st.values()):
         sys.exit(1)

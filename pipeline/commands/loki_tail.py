@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from pathlib import Path
 
 import click
 
@@ -13,7 +14,7 @@ from pipeline.settings import KafkaSettings, TopicNames
 
 
 @click.command("loki-tail")
-@click.option("--loki-url", required=True, help="Loki base URL, e.g. http://loki:3100")
+@click.option("--loki-url", required=True, envvar="LOKI_URL", help="Loki base URL, e.g. http://loki:3100 [$LOKI_URL]")
 @click.option("--query", "logql", required=True, help='LogQL stream selector, e.g. {job="kmsg"} |= "NVRM"')
 @click.option("--topic", default=None, help="Kafka topic to produce to [default: the kernel logs topic]")
 @click.option("--node-label", default="node", show_default=True, help="Stream label holding the node name")
@@ -33,7 +34,16 @@ from pipeline.settings import KafkaSettings, TopicNames
     show_default=True,
     help="Entries Loki replays on (re)connect",
 )
-@click.option("--org-id", default=None, help="X-Scope-OrgID header for multi-tenant Loki")
+@click.option("--org-id", default=None, envvar="LOKI_ORG_ID", help="X-Scope-OrgID header for multi-tenant Loki")
+@click.option("--username", default=None, envvar="LOKI_USERNAME", help="Basic auth user (gateway in front of Loki)")
+@click.option("--password-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="File holding the basic auth password [or $LOKI_PASSWORD]")
+@click.option("--bearer-token-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="File holding a bearer token, read again on every (re)connect")
+@click.option("--ca-file", type=click.Path(exists=True, dir_okay=False, path_type=Path), default=None,
+              help="PEM CA bundle to trust for https Loki URLs")
+@click.option("--resume-scan", type=click.IntRange(0), default=10_000, show_default=True,
+              help="Records per partition read back on start to resume where a previous run stopped (0: off)")
 @click.option("-v", "--verbose", is_flag=True, help="Same as --log-level debug.")
 @log_options
 def loki_tail(
@@ -46,14 +56,27 @@ def loki_tail(
     delay_for: int,
     limit: int,
     org_id: str | None,
+    username: str | None,
+    password_file: Path | None,
+    bearer_token_file: Path | None,
+    ca_file: Path | None,
+    resume_scan: int,
     verbose: bool,
 ) -> None:
     """Read Loki's /loki/api/v1/tail websocket and produce each entry to Kafka keyed by its node label."""
-    from pipeline.loki_tail import LokiRequestRejected, LokiTailBridge
+    import os
+
+    from pipeline.loki_tail import LokiAuth, LokiRequestRejected, LokiTailBridge
 
     if verbose:
         logging.getLogger().setLevel(logging.DEBUG)
     topics = TopicNames()
+    password = password_file.read_text().strip() if password_file else os.environ.get("LOKI_PASSWORD")
+    try:
+        auth = LokiAuth(org_id=org_id, username=username, password=password if username else None,
+                        bearer_token_file=bearer_token_file, ca_file=ca_file)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from exc
     try:
         bridge = LokiTailBridge(
             loki_url=loki_url,
@@ -65,7 +88,8 @@ def loki_tail(
             start_ns=start_ns,
             delay_for_s=delay_for,
             limit=limit,
-            headers={"X-Scope-OrgID": org_id} if org_id else None,
+            auth=auth,
+            resume_scan=resume_scan,
         )
     except ValueError as exc:
         raise click.BadParameter(str(exc), param_hint="--loki-url") from exc

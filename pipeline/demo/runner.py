@@ -1,7 +1,8 @@
 """Runs the demo: a fleet, a worker, actuator replicas, the scripted scenario, a live view, a verdict.
 
-Everything is real: records go through Kafka in Fluent Bit's shapes, the worker parses and
-aggregates them, the actuators act on a real API server. The demo only plays the parts a cluster
+Everything is real: records go through Kafka in Fluent Bit's shapes (one node's kernel lines through
+a real Loki and ``xidflow loki-tail``, the path of Konduktor's Loki-based controller), the worker
+parses and aggregates them, the actuators act on a real API server. The demo only plays the parts a cluster
 would: kubelets (node status, a reboot is a new boot id), the node's reboot daemon (it answers the
 actuator's reboot-request annotation) and the node probe (passing health checks after the reboot).
 """
@@ -31,8 +32,9 @@ from rich.table import Table
 from pipeline import kafka_clients
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
-from pipeline.demo.scenario import REBOOT_NODE_INDEX, STEPS, Emit, Step
+from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEX, STEPS, Emit, Step
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer, push_lines
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult, RemediationRecord
 
@@ -66,6 +68,10 @@ class DemoRun:
     verdicts: list[Verdict] = field(default_factory=list)
     procs: dict[str, subprocess.Popen] = field(default_factory=dict)
     phase: str = "starting"
+    loki_url: str | None = None  # LOKI_URL, else a local Loki started in workdir
+    loki_org_id: str | None = None
+    loki_server: LokiServer | None = None
+    loki_lines: int = 0
 
     def __post_init__(self) -> None:
         cfg = client.Configuration()
@@ -101,7 +107,28 @@ class DemoRun:
             stdin=subprocess.DEVNULL, env=self._env(), start_new_session=True,
         )
 
+    @property
+    def loki_node(self) -> str:
+        return self.fleet.nodes[LOKI_NODE_INDEX - 1]
+
+    def start_loki(self) -> None:
+        """Loki (the environment's, else a local single binary) and the bridge that tails it into Kafka."""
+        self.loki_url = self.loki_url or os.environ.get("LOKI_URL")
+        if self.loki_url:
+            self.loki_org_id = self.loki_org_id or os.environ.get("LOKI_ORG_ID")
+        else:
+            self.loki_server = LokiServer(self.workdir / "loki", log=lambda m: self.console.print(f"[dim]loki:[/] {m}"))
+            self.loki_server.start()
+            self.loki_url, self.loki_org_id = self.loki_server.url, DEFAULT_TENANT
+        args = ["loki-tail", "--loki-url", self.loki_url, "--query", f'{{job="kmsg", demo="{self.run_id}"}}',
+                "--topic", self.topics.name("logs_kernel"), "--bootstrap", self.bootstrap,
+                "--start-ns", str(time.time_ns() - 10**9)]
+        if self.loki_org_id:
+            args += ["--org-id", self.loki_org_id]
+        self._spawn("loki-tail", *args)
+
     def start_processes(self) -> None:
+        self.start_loki()
         self._spawn("worker", "worker", "--bootstrap", self.bootstrap, "--app-id", f"xidflow-demo-{self.run_id}",
                     "--partitions", "4", "--loglevel", "warning")
         for i in range(1, self.actuators + 1):
@@ -110,6 +137,9 @@ class DemoRun:
     def check_processes(self) -> None:
         for name, proc in self.procs.items():
             if proc.poll() is not None:
+                if name == "loki-tail":
+                    tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2500:]
+                    raise RuntimeError(f"the Loki bridge (xidflow loki-tail) exited with {proc.returncode}:\n{tail}")
                 tail = (self.workdir / f"{name}.log").read_text(errors="replace")[-2500:]
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
@@ -153,8 +183,20 @@ class DemoRun:
                              "kubernetes": {"host": node, "pod_name": pod, "namespace_name": self.fleet.namespace,
                                             "container_name": "trainer"}})
 
+    async def push_to_loki(self, node: str, e: Emit) -> None:
+        """The Konduktor path: the node's kernel lines are pushed to Loki; loki-tail brings them to Kafka."""
+        base = time.time_ns()
+        lines = [line for _ in range(e.repeat) for line in e.lines]
+        values = [(base + i, line) for i, line in enumerate(lines)]
+        labels = {"job": "kmsg", "demo": self.run_id, "node": node, "source": "kernel"}
+        await asyncio.to_thread(push_lines, self.loki_url, labels, values, tenant=self.loki_org_id)
+        self.loki_lines += len(values)
+
     async def emit(self, producer: AIOKafkaProducer, e: Emit) -> None:
         node = self.fleet.nodes[e.node_index - 1]
+        if e.source == "kernel" and e.node_index == LOKI_NODE_INDEX:
+            await self.push_to_loki(node, e)
+            return
         pods = self.fleet.pods_by_node().get(node) or [f"llm-{e.node_index:02d}-0"]
         seq = 0
         for _ in range(e.repeat):
@@ -195,7 +237,7 @@ class DemoRun:
 
     def render(self, states: dict[str, dict[str, Any]]) -> Group:
         table = Table(title=f"GPU fleet (demo {self.run_id}) - {self.phase}", expand=True)
-        for col in ("node", "state", "xidflow taints", "conditions", "boot", "last action"):
+        for col in ("node", "state", "xidflow taints", "conditions", "boot", "kernel lines via", "last action"):
             table.add_column(col, overflow="fold")
         for name in self.fleet.nodes + self.fleet.standby:
             s = states.get(name)
@@ -207,8 +249,9 @@ class DemoRun:
                 state = "[cyan]standby, in service[/]" if s["standby"] else "[green]in service[/]"
             if s["reboot"]:
                 state += " [magenta]reboot requested[/]"
+            via = "Loki -> loki-tail -> Kafka" if name == self.loki_node else "Fluent Bit -> Kafka"
             table.add_row(name, state, ", ".join(s["taints"]) or "-", ", ".join(s["conditions"]) or "-", s["boot"],
-                          s["last"][:60] or "-")
+                          via, s["last"][:60] or "-")
         audit = Table(title=f"audit trail ({self.audit_count} records on {self.topics.name('remediation_audit')})",
                       expand=True)
         for col in ("node", "action", "outcome", "reason"):
@@ -281,6 +324,9 @@ class DemoRun:
                   f"{sum(len(p) for p in self.fleet.pods_by_node().values())} training pods with a PDB")
         self.start_processes()
         con.print(f"started 1 worker and {self.actuators} actuator replicas (logs in {self.workdir})")
+        con.print(f"Konduktor path: kernel lines of [bold]{self.loki_node}[/] are pushed to Loki ({self.loki_url}, "
+                  f"tenant {self.loki_org_id or '-'}) and travel Loki -> xidflow loki-tail -> Kafka; "
+                  "the other nodes ship with Fluent Bit's record shapes")
         audit_task = asyncio.create_task(self.follow_audit())
         pdb_task = asyncio.create_task(self._keep_pdb_status())
         producer = kafka_clients.producer(bootstrap=self.bootstrap, acks="all", linger_ms=5)
@@ -327,6 +373,8 @@ class DemoRun:
         for rec in self.audit:
             outcomes[rec.outcome.value] = outcomes.get(rec.outcome.value, 0) + 1
         ok = all(v.ok for v in self.verdicts)
+        self.console.print(f"Konduktor path: {self.loki_lines} kernel lines of {self.loki_node} went through Loki "
+                           f"-> xidflow loki-tail -> Kafka")
         self.console.print(Panel(
             f"{sum(v.ok for v in self.verdicts)}/{len(self.verdicts)} expectations met; "
             f"{self.audit_count} audit records on {self.topics.name('remediation_audit')}",
@@ -335,6 +383,8 @@ class DemoRun:
 
     def cleanup(self) -> None:
         self.stop_processes()
+        if self.loki_server is not None:
+            self.loki_server.stop()
         with contextlib.suppress(Exception):
             self.fleet.delete()
         with contextlib.suppress(Exception):

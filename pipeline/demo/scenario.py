@@ -2,7 +2,8 @@
 
 Pure data. Lines are real driver formats (see tests/corpus for their public sources); they are
 shipped the way Fluent Bit ships them (kmsg records for the kernel, tail + kubernetes filter records
-for pods), so the demo exercises the same adapters as production.
+for pods), so the demo exercises the same adapters as production; one node's kernel lines go the way
+Konduktor's nodes ship them instead: pushed to Loki and bridged to Kafka by ``xidflow loki-tail``.
 """
 
 from __future__ import annotations
@@ -117,4 +118,8 @@ STEPS: tuple[Step, ...] = (
 )
 
 REBOOT_NODE_INDEX = 2
+"""The node that is rebooted (new boot id, checks pass) and must come back into service."""
+
+LOKI_NODE_INDEX = 3
+"""The node whose kernel lines travel the Konduktor path: Loki -> ``xidflow loki-tail`` -> Kafka."""
 """The node that is rebooted (new boot id, checks pass) and must come back into service."""

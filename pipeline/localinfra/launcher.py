@@ -1,5 +1,8 @@
 """Brings up (or finds) the two services xidflow needs: a Kafka cluster and a Kubernetes API server.
 
+With ``loki=True`` also a Grafana Loki (``LOKI_URL`` from the environment, else the local build of
+:mod:`pipeline.localinfra.loki`), the log store the Konduktor path and ``xidflow loki-tail`` read.
+
 Source order, decided per service:
 1. endpoints given in the environment (``KAFKA_BOOTSTRAP_SERVERS``, ``KUBECONFIG``);
 2. testcontainers (Kafka, K3s) when a Docker engine answers;
@@ -23,6 +26,7 @@ from pipeline.localinfra import procs
 from pipeline.localinfra.controlplane import ControlPlane
 from pipeline.localinfra.install import Log, cache_root
 from pipeline.localinfra.kafka import KafkaCluster
+from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer
 
 
 def default_state_dir() -> Path:
@@ -47,11 +51,18 @@ class Endpoints:
     kafka_source: str
     kube_source: str
     kafka_env: dict[str, str] = field(default_factory=dict)  # credentials of a secured local Kafka (admin user)
+    loki_url: str | None = None
+    loki_org_id: str | None = None
 
     def env_lines(self) -> str:
         extra = "".join(f"export {k}={shlex.quote(v)}\n" for k, v in self.kafka_env.items()
                         if k != "KAFKA_BOOTSTRAP_SERVERS")
-        return f"export KAFKA_BOOTSTRAP_SERVERS={self.kafka_bootstrap}\n{extra}export KUBECONFIG={self.kubeconfig}\n"
+        lines = f"export KAFKA_BOOTSTRAP_SERVERS={self.kafka_bootstrap}\n{extra}export KUBECONFIG={self.kubeconfig}\n"
+        if self.loki_url:
+            lines += f"export LOKI_URL={self.loki_url}\n"
+        if self.loki_org_id:
+            lines += f"export LOKI_ORG_ID={self.loki_org_id}\n"
+        return lines
 
 
 @dataclass
@@ -63,6 +74,7 @@ class LocalInfra:
     kafka: KafkaCluster | None = None
     control_plane: ControlPlane | None = None
     containers: dict[str, str] = field(default_factory=dict)  # role -> Docker container id
+    loki: LokiServer | None = None
     endpoints: Endpoints | None = None
 
     @property
@@ -76,6 +88,7 @@ class LocalInfra:
             "kafka": self.kafka.to_dict() if self.kafka else None,
             "control_plane": self.control_plane.to_dict() if self.control_plane else None,
             "containers": self.containers,
+            "loki": self.loki.to_dict() if self.loki else None,
             "endpoints": self.endpoints.__dict__ if self.endpoints else None,
         }
         tmp = self.state_file.with_suffix(".tmp")
@@ -92,14 +105,18 @@ class LocalInfra:
             if state.get("control_plane"):
                 infra.control_plane = ControlPlane.from_dict(state["control_plane"], log=log)
             infra.containers = state.get("containers") or {}
+            if state.get("loki"):
+                infra.loki = LokiServer.from_dict(state["loki"], log=log)
             if state.get("endpoints"):
                 infra.endpoints = Endpoints(**state["endpoints"])
         return infra
 
     # -- lifecycle -------------------------------------------------------------------------
-    def up(self, kafka_brokers: int = 1, detach: bool = True, kafka_security: str = "plaintext") -> Endpoints:
+    def up(
+        self, kafka_brokers: int = 1, detach: bool = True, kafka_security: str = "plaintext", loki: bool = False
+    ) -> Endpoints:
         """Start what is not already given; ``detach`` keeps containers alive after this process."""
-        if self.endpoints and self.is_running():
+        if self.endpoints and self.is_running() and (not loki or self.endpoints.loki_url):
             self.log("local infrastructure already running")
             return self.endpoints
         self.down(quiet=True)
@@ -131,14 +148,27 @@ class LocalInfra:
                 kubeconfig = str(self.control_plane.kubeconfig)
                 kube_source = "local build (kube-apiserver + etcd)"
             self.log(f"Kubernetes API: {kube_source}, kubeconfig {kubeconfig}")
+            loki_url, loki_org_id = self._loki() if loki else (None, None)
         except BaseException:
             self.save()
             self.down(quiet=True)
             raise
         self.endpoints = Endpoints(kafka_bootstrap, kubeconfig, kafka_source, kube_source,
-                                   self.kafka.local_env() if self.kafka and self.kafka.secured else {})
+                                   self.kafka.local_env() if self.kafka and self.kafka.secured else {},
+                                   loki_url, loki_org_id)
         self.save()
         return self.endpoints
+
+    def _loki(self) -> tuple[str, str | None]:
+        env_loki = os.environ.get("LOKI_URL")
+        if env_loki:
+            self.log("Loki: environment (LOKI_URL)")
+            return env_loki, os.environ.get("LOKI_ORG_ID")
+        self.loki = LokiServer(Path(self.state_dir) / "loki", log=self.log)
+        self.save()
+        self.loki.start()
+        self.log(f"Loki: local build (single binary, filesystem storage) at {self.loki.url}, tenant {DEFAULT_TENANT}")
+        return self.loki.url, DEFAULT_TENANT
 
     def _kafka_container(self, detach: bool) -> str:
         if detach:
@@ -165,6 +195,8 @@ class LocalInfra:
 
     def down(self, quiet: bool = False) -> None:
         """Stop everything this state directory started; leaves no process or port behind."""
+        if self.loki:
+            self.loki.stop()
         if self.control_plane:
             self.control_plane.stop()
         if self.kafka:
@@ -177,6 +209,7 @@ class LocalInfra:
             self.log("local infrastructure stopped")
         self.kafka = None
         self.control_plane = None
+        self.loki = None
         self.endpoints = None
         if Path(self.state_dir).exists():
             self.save()
@@ -192,6 +225,8 @@ class LocalInfra:
                 out[f"kafka-{node_id}"] = ok
         if self.control_plane:
             out.update(self.control_plane.running())
+        if self.loki:
+            out.update(self.loki.running())
         for key, cid in self.containers.items():
             out[f"container:{key}"] = _container_running(cid)
         return out

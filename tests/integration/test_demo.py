@@ -30,3 +30,4 @@ def test_demo_completes_with_every_expectation_met(kafka_bootstrap: str, kubecon
     assert proc.returncode == 0, out[-6000:]
     assert "demo passed" in out
     assert "WRONG" not in out
+    assert "went through Loki -> xidflow loki-tail -> Kafka" in out  # the Konduktor path, on screen

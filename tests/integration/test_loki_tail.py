@@ -1,6 +1,13 @@
-"""The Loki tail bridge against a websocket server speaking Loki's tail protocol, into real Kafka.
+"""The Loki tail bridge into real Kafka: against a real Loki, and against a fault-injecting stand-in.
 
-Loki itself cannot be installed on this machine, so ``LokiTailServer`` below implements the
+Real Loki (``pipeline.localinfra.loki``, built from Go modules and started by the ``loki`` fixture,
+which fails when it cannot): lines pushed through ``POST /loki/api/v1/push`` reach the raw topic through
+``xidflow loki-tail`` and a real worker turns them into incidents; Loki restarted mid-stream gives no
+gap and no duplicate; a restarted bridge resumes where it was; tenants are kept apart by
+``X-Scope-OrgID``; basic auth, a bearer token file and a custom CA go through a TLS auth gateway in
+front of Loki (Loki itself does not authenticate; a gateway such as nginx does).
+
+``LokiTailServer`` below stays for what a real Loki cannot be made to do on cue: it implements the
 documented ``GET /loki/api/v1/tail`` contract from a store of entries: ``query`` (a LogQL stream
 selector with ``=`` matchers), ``start`` (ns, inclusive, default one hour ago), ``limit`` (the most
 recent ``limit`` entries since ``start``, sent oldest first, as Loki's querier does with a backward
@@ -13,11 +20,19 @@ timestamp, so that resuming must skip exactly what was already produced.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
+import os
 import re
+import ssl
+import subprocess
+import sys
 import time
+import uuid
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http import HTTPStatus
+from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
 
 import orjson
@@ -28,10 +43,12 @@ from websockets.http11 import Request, Response
 
 from pipeline.adapters import decode_record
 from pipeline.kafka_admin import ensure_topics
-from pipeline.loki_tail import Backoff, LokiRequestRejected, LokiTailBridge
+from pipeline.localinfra.loki import LokiServer, push_lines
+from pipeline.loki_tail import Backoff, LokiAuth, LokiRequestRejected, LokiTailBridge
 from schemas.records import DeadLetter
 
 pytestmark = pytest.mark.integration
+REPO = Path(__file__).resolve().parents[2]
 
 _MATCHER = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\]|\\.)*)"\s*')
 
@@ -322,3 +339,269 @@ async def test_bridge_fails_fast_when_loki_rejects_the_query(kafka_bootstrap: st
         with pytest.raises(LokiRequestRejected, match="HTTP 400"):
             await asyncio.wait_for(bridge.run(), 30)
         assert server.requests == []
+
+
+# -- against a real Loki --------------------------------------------------------------------------------
+
+TENANT = "team-gpu"
+
+
+@pytest.fixture(scope="module")
+def loki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LokiServer]:
+    """A real single-binary Loki (built once from Go modules, cached); never skipped."""
+    server = LokiServer(tmp_path_factory.mktemp("loki"), log=lambda m: print(f"[loki] {m}", flush=True))
+    try:
+        server.start(timeout=180)
+    except Exception as exc:  # noqa: BLE001 - fail loudly with the cause
+        server.stop()
+        pytest.fail(f"Loki could not be built or started: {exc}", pytrace=False)
+    yield server
+    server.stop()
+
+
+def push(loki: LokiServer, node: str, run: str, lines: list[tuple[int, str]], tenant: str = TENANT) -> None:
+    push_lines(loki.url, {"job": "kmsg", "run": run, "node": node}, lines, tenant=tenant)
+
+
+def by_node(records: list[tuple[bytes | None, bytes]], topic: str) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = defaultdict(list)
+    for key, value in records:
+        logs, dead = decode_record(value, key, None, topic)
+        assert dead == []
+        for rec in logs:
+            assert key == rec.node.encode()
+            out[rec.node].append(rec.line)
+    return out
+
+
+def real_bridge(loki: LokiServer, run: str, topic: str, bootstrap: str, dead: str, **kw) -> LokiTailBridge:
+    return LokiTailBridge(
+        loki_url=kw.pop("url", loki.url), query=f'{{job="kmsg", run="{run}"}}', topic=topic,
+        bootstrap_servers=bootstrap, deadletter_topic=dead, start_ns=kw.pop("start_ns", time.time_ns() - 10**9),
+        backoff=Backoff(initial_s=0.1, maximum_s=1.0), auth=kw.pop("auth", LokiAuth(org_id=TENANT)), **kw,
+    )
+
+
+def start_loki_tail(env: dict[str, str], run: str, bootstrap: str, log: Path) -> subprocess.Popen:
+    """`xidflow loki-tail` as its own process, configured from LOKI_URL / LOKI_ORG_ID as a user would."""
+    with log.open("wb") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "loki-tail", "--query", f'{{job="kmsg", run="{run}"}}',
+             "--bootstrap", bootstrap, "--start-ns", str(time.time_ns() - 10**9)],
+            env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        )
+
+
+async def test_real_loki_lines_reach_incidents_through_the_loki_tail_command(
+    loki: LokiServer, kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """Konduktor's path: node -> Loki -> `xidflow loki-tail` -> raw topic -> a real worker -> incidents."""
+    from pipeline.app import worker_topics
+    from pipeline.settings import TopicNames
+    from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+
+    tag = uuid.uuid4().hex[:8]
+    prefix, app_id, run = f"t-loki-{tag}-", f"t-loki-{tag}", f"r{tag}"
+    topics = TopicNames(prefix=prefix)
+    await ensure_topics(kafka_bootstrap, worker_topics(app_id, topics), PARTITIONS)
+    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path).start()
+    env = {**os.environ, "XIDFLOW_METRICS_PORT": "0", "XIDFLOW_TOPIC_PREFIX": prefix, "LOKI_URL": loki.url,
+           "LOKI_ORG_ID": TENANT}
+    bridge = start_loki_tail(env, run, kafka_bootstrap, tmp_path / "loki-tail.log")
+    nodes = [f"loki-a-{tag}", f"loki-b-{tag}", f"loki-other-tenant-{tag}"]
+    try:
+        async with Pipeline(kafka_bootstrap, prefix) as pipe:
+            await wait_ready(pipe, worker)
+            now = time.time_ns()
+            push(loki, nodes[0], run, [(now, "[ 5.000001] usb 1-1: new device"),
+                                      (now + 1, "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, "
+                                                "GPU has fallen off the bus.")])
+            push(loki, nodes[1], run, [(now + 2, "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 30 "
+                                                 "LTSSM Fault Up")])
+            # Same labels in another tenant: the bridge's tenant must not see it.
+            push(loki, nodes[2], run, [(now + 3, "NVRM: Xid (PCI:0000:3b:00): 79, pid=1, name=x, GPU has fallen "
+                                                 "off the bus.")], tenant="someone-else")
+
+            def incidents_for_both() -> bool:
+                assert bridge.poll() is None, (tmp_path / "loki-tail.log").read_text()[-3000:]
+                return all(any(i.get("type") == "incident" for i in pipe.incidents(n)) for n in nodes[:2])
+
+            await pipe.wait_for(incidents_for_both, 120, "incidents from the Loki path")
+            assert pipe.incidents(nodes[0])[0]["code"] == 79
+            assert pipe.incidents(nodes[1])[0]["kind"] == "sxid"
+            await asyncio.sleep(2)
+            await pipe.poll()
+            assert pipe.incidents(nodes[2]) == []
+        raw = by_node(await read_all(kafka_bootstrap, topics.name("logs_kernel")), topics.name("logs_kernel"))
+        assert nodes[2] not in raw and len(raw[nodes[0]]) == 2 and len(raw[nodes[1]]) == 1
+    finally:
+        bridge.terminate()
+        bridge.wait(30)
+        worker.stop()
+    assert "stopped:" in (tmp_path / "loki-tail.log").read_text()
+
+
+async def test_loki_restarted_mid_stream_no_gap_no_duplicate_and_bridge_resumes(
+    loki: LokiServer, kafka_bootstrap: str, unique
+) -> None:
+    topic, dead_topic = unique("loki-real"), unique("loki-real-dead")
+    await ensure_topics(kafka_bootstrap, [topic, dead_topic], partitions=3)
+    run, nodes = uuid.uuid4().hex[:8], [unique("n1"), unique("n2")]
+    expected: dict[str, list[str]] = defaultdict(list)
+    counter = itertools.count()
+
+    def batch(label: str, n: int = 5) -> None:
+        base = time.time_ns()
+        for node in nodes:
+            lines = []
+            for i in range(n):
+                k = next(counter)
+                line = f"NVRM: Xid (PCI:0000:4e:00): 13, pid={k}, name=p, {label} {i}"
+                lines.append((base + k, line))
+                expected[node].append(line)
+            push(loki, node, run, lines)
+
+    start = time.time_ns() - 10**9
+    bridge = real_bridge(loki, run, topic, kafka_bootstrap, dead_topic, start_ns=start)
+    stop = asyncio.Event()
+    task = asyncio.create_task(bridge.run(stop))
+    try:
+        batch("before")
+        await wait_until(lambda: bridge.stats.produced >= 10, "lines before the restart", task)
+        await asyncio.to_thread(loki.stop)  # Loki goes away mid-stream...
+        await asyncio.sleep(1)
+        await asyncio.to_thread(loki.start)  # ...and comes back on the same data (WAL replayed)
+        batch("after-loki-restart")
+        await wait_until(lambda: bridge.stats.produced >= 20, "lines after Loki's restart", task)
+        assert bridge.stats.connections >= 2
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 30)
+
+    # The bridge itself restarts (a new process would be the same: nothing but Kafka is kept).
+    batch("while-bridge-down")
+    second = real_bridge(loki, run, topic, kafka_bootstrap, dead_topic, start_ns=start)
+    stop2 = asyncio.Event()
+    task2 = asyncio.create_task(second.run(stop2))
+    try:
+        await wait_until(lambda: second.stats.produced >= 10, "lines produced while the bridge was down", task2)
+        batch("live-after-bridge-restart")
+        await wait_until(lambda: second.stats.produced >= 20, "live lines after the bridge restart", task2)
+        await asyncio.sleep(2)  # anything extra (a duplicate) would arrive now
+    finally:
+        stop2.set()
+        await asyncio.wait_for(task2, 30)
+    got = by_node(await read_all(kafka_bootstrap, topic), topic)
+    assert second.stats.produced == 20 and second.stats.skipped_replays >= 1
+    for node in nodes:
+        assert got[node] == expected[node], node  # every line once, in order: no gap, no duplicate
+
+
+class AuthGateway:
+    """A TLS reverse proxy that admits a request only with an accepted Authorization header (nginx's job)."""
+
+    def __init__(self, upstream_port: int, pki: Path, accept: set[str]) -> None:
+        self.upstream_port, self.accept = upstream_port, accept
+        self.ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.ctx.load_cert_chain(pki / "apiserver.crt", pki / "apiserver.key")  # SAN 127.0.0.1
+        self.requests: list[dict[str, str]] = []
+        self.port = 0
+
+    async def __aenter__(self) -> AuthGateway:
+        self.server = await asyncio.start_server(self._handle, "127.0.0.1", 0, ssl=self.ctx)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.server.close()
+
+    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            head = await reader.readuntil(b"\r\n\r\n")
+        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, ConnectionError):
+            writer.close()
+            return
+        headers = {}
+        for raw in head.decode("latin-1").split("\r\n")[1:]:
+            name, _, value = raw.partition(":")
+            if name:
+                headers[name.strip().lower()] = value.strip()
+        self.requests.append(headers)
+        if headers.get("authorization") not in self.accept:
+            writer.write(b"HTTP/1.1 401 Unauthorized\r\nContent-Length: 13\r\nConnection: close\r\n\r\nunauthorized\n")
+            await writer.drain()
+            writer.close()
+            return
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self.upstream_port)
+        up_writer.write(head)
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            try:
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            except (ConnectionError, ssl.SSLError):
+                pass
+            finally:
+                with contextlib.suppress(Exception):
+                    dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+
+async def test_tenant_header_basic_auth_bearer_file_and_custom_ca(
+    loki: LokiServer, kafka_bootstrap: str, unique, tmp_path: Path
+) -> None:
+    import base64
+
+    from pipeline.localinfra.controlplane import write_pki
+
+    pki = tmp_path / "pki"
+    write_pki(pki)
+    token = tmp_path / "token"
+    token.write_text("t0ken-for-loki\n")
+    basic = "Basic " + base64.b64encode(b"bridge:s3cret").decode()
+    topic, dead_topic = unique("loki-auth"), unique("loki-auth-dead")
+    await ensure_topics(kafka_bootstrap, [topic, dead_topic], partitions=1)
+    run, node = uuid.uuid4().hex[:8], unique("n-auth")
+    now = time.time_ns()
+    push(loki, node, run, [(now, "NVRM: Xid (PCI:0000:4e:00): 13, pid=1, name=p, ours")])
+    push(loki, node, run, [(now + 1, "NVRM: Xid (PCI:0000:4e:00): 13, pid=2, name=p, another tenant")],
+         tenant="someone-else")
+
+    async with AuthGateway(loki.http_port, pki, {basic, "Bearer t0ken-for-loki"}) as gw:
+        url = f"https://127.0.0.1:{gw.port}"
+        # Wrong password: the gateway answers 401 and the bridge stops instead of retrying forever.
+        bad = real_bridge(loki, run, topic, kafka_bootstrap, dead_topic, url=url, start_ns=now - 10**9,
+                          auth=LokiAuth(org_id=TENANT, username="bridge", password="wrong", ca_file=pki / "ca.crt"))
+        with pytest.raises(LokiRequestRejected, match="HTTP 401"):
+            await asyncio.wait_for(bad.run(), 30)
+        for auth in (
+            LokiAuth(org_id=TENANT, username="bridge", password="s3cret", ca_file=pki / "ca.crt"),
+            LokiAuth(org_id=TENANT, bearer_token_file=token, ca_file=pki / "ca.crt"),
+        ):
+            bridge = real_bridge(loki, run, topic, kafka_bootstrap, dead_topic, url=url, start_ns=now - 10**9,
+                                 auth=auth, resume_scan=0)
+            stop = asyncio.Event()
+            task = asyncio.create_task(bridge.run(stop))
+            try:
+                await wait_until(lambda b=bridge: b.stats.produced >= 1, "the tenant's line through the gateway",
+                                 task)
+                await asyncio.sleep(1)
+            finally:
+                stop.set()
+                await asyncio.wait_for(task, 30)
+            assert bridge.stats.produced == 1  # only its own tenant's line
+        # Without the custom CA, the gateway's certificate is not trusted.
+        untrusting = real_bridge(loki, run, topic, kafka_bootstrap, dead_topic, url=url, start_ns=now - 10**9,
+                                 auth=LokiAuth(org_id=TENANT, bearer_token_file=token), resume_scan=0)
+        stop = asyncio.Event()
+        task = asyncio.create_task(untrusting.run(stop))
+        await asyncio.sleep(3)
+        stop.set()
+        await asyncio.wait_for(task, 30)
+        assert untrusting.stats.connections == 0
+    assert {r.get("x-scope-orgid") for r in gw.requests} == {TENANT}
+    assert {basic, "Bearer t0ken-for-loki"} <= {r.get("authorization") for r in gw.requests}
+    got = by_node(await read_all(kafka_bootstrap, topic), topic)
+    assert got[node] == ["NVRM: Xid (PCI:0000:4e:00): 13, pid=1, name=p, ours"] * 2

@@ -178,3 +178,37 @@ def test_every_line_a_parser_recognises_passes_the_prefilter(config: dict) -> No
             assert kernel_re.search(line), f"the parser recognises it, the prefilter drops it: {line}"
         if match_pod_signal(line) is not None:
             assert pod_re.search(line), f"the parser recognises it, the prefilter drops it: {line}"
+
+
+def test_kafka_outage_buffers_on_disk_instead_of_dropping(config: dict) -> None:
+    service = config["service"]
+    assert service["storage.path"].startswith("/var/fluent-bit/state/")  # the DaemonSet's host mount
+    for inp in config["pipeline"]["inputs"]:
+        assert inp["storage.type"] == "filesystem", inp["name"]
+    for out in config["pipeline"]["outputs"]:
+        assert out["retry_limit"] == "no_limits"  # Fluent Bit's default gives up after 1 retry
+        assert out["storage.total_limit_size"]
+
+
+def test_kernel_lines_carry_the_boot_id_for_replay_dedup(config: dict) -> None:
+    """Replays are not byte-identical (in_kmsg's boot time is coarse): ids use boot id + kmsg sequence."""
+    from pipeline.adapters import decode_record
+
+    filters = config["pipeline"]["filters"]
+    names = [(f["name"], f["match"]) for f in filters]
+    lua = next(f for f in filters if f["name"] == "lua")
+    assert lua["match"] == "kernel" and names.index(("grep", "kernel")) < names.index(("lua", "kernel"))
+    assert "/proc/sys/kernel/random/boot_id" in lua["code"] and f"function {lua['call']}(" in lua["code"]
+    assert 'record["boot_id"]' in lua["code"]
+    header = CONFIG.read_text().split("service:", 1)[0]
+    assert "same event and incident ids" in header and "NOT byte-identical" in header
+    # What the pipeline then emits for one line, first read and replayed a second later.
+    first = {"priority": 3, "sequence": 77, "sec": 1200, "usec": 5, "boot_id": "b-1", "node": "n1",
+             "msg": "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus.",
+             "@timestamp": "2026-11-22T10:00:00.000005000Z"}
+    replay = {**first, "@timestamp": "2026-11-22T10:00:01.000005000Z"}
+    import orjson
+
+    (a,), _ = decode_record(orjson.dumps(first), b"n1", None, "gpu.logs.kernel")
+    (b,), _ = decode_record(orjson.dumps(replay), b"n1", None, "gpu.logs.kernel")
+    assert a.replay_key == b.replay_key is not None

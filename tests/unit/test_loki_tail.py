@@ -99,3 +99,36 @@ def test_encoded_entry_is_understood_by_the_adapters() -> None:
     records, dead = decode_record(encode_entry(e), b"gpu-1", None, "gpu.logs.kernel")
     assert dead == [] and len(records) == 1
     assert (records[0].node, records[0].line, records[0].shipper) == ("gpu-1", e.line, "loki")
+
+
+def test_auth_headers_tenant_basic_and_bearer_file(tmp_path) -> None:
+    import base64
+
+    from pipeline.loki_tail import LokiAuth, tail_identity
+
+    assert LokiAuth().headers() == {}
+    basic = LokiAuth(org_id="team-a", username="bridge", password="s3cret").headers()
+    assert basic["X-Scope-OrgID"] == "team-a"
+    assert base64.b64decode(basic["Authorization"].removeprefix("Basic ")) == b"bridge:s3cret"
+    token = tmp_path / "token"
+    token.write_text("first\n")
+    auth = LokiAuth(bearer_token_file=token)
+    assert auth.headers() == {"Authorization": "Bearer first"}
+    token.write_text("rotated")  # read again on every connection
+    assert auth.headers() == {"Authorization": "Bearer rotated"}
+    with pytest.raises(ValueError):
+        LokiAuth(username="u", bearer_token_file=token)
+    with pytest.raises(ValueError):
+        LokiAuth(password="p")
+    assert LokiAuth().ssl_context() is None
+    # One tail, one identity: tenant and query both name it.
+    assert tail_identity('{a="b"}', "t1") == tail_identity('{a="b"}', "t1") != tail_identity('{a="b"}', "t2")
+
+
+def test_identity_ignores_labels_loki_derives_only_in_query_results() -> None:
+    """A replay (query) carries detected_level, the live tail does not: still the same entry."""
+    live = TailEntry(5, {"job": "kmsg", "node": "n1", "service_name": "kmsg"}, "NVRM: Xid 79")
+    replayed = TailEntry(5, {**live.labels, "detected_level": "unknown"}, "NVRM: Xid 79")
+    cursor = TailCursor()
+    cursor.mark(live)
+    assert not cursor.is_new(replayed)

@@ -1,0 +1,176 @@
+"""rsyslog for real: Debian's rsyslogd with omkafka reads a kernel-style log file (imfile) and produces to
+the raw kernel topic, once in rsyslog's default form (no Kafka key; the host only in the syslog header)
+and once in a JSON template form. A real worker process turns both into incidents on the right node.
+
+rsyslogd and omkafka come from Debian's ``rsyslog`` and ``rsyslog-kafka`` packages; the fixture installs
+them when missing (``pipeline.localinfra.rsyslog``, what ``make infra`` runs) and fails if it cannot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from pipeline.app import worker_topics
+from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
+from pipeline.settings import TopicNames
+from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+
+pytestmark = pytest.mark.integration
+
+XID_79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+XID_48 = "NVRM: Xid (PCI:0000:b7:00): 48, pid=2331, name=python, An uncorrectable double bit error"
+
+JSON_TEMPLATE = """
+template(name="xidflow_json" type="list" option.jsonf="on") {
+  property(outname="@timestamp" name="timereported" dateFormat="rfc3339" format="jsonf")
+  property(outname="host" name="hostname" format="jsonf")
+  property(outname="programname" name="programname" format="jsonf")
+  property(outname="severity" name="syslogseverity-text" format="jsonf")
+  property(outname="message" name="msg" format="jsonf")
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def rsyslog() -> RsyslogDist:
+    try:
+        return ensure_rsyslog_kafka(lambda m: print(f"[rsyslog] {m}", flush=True))
+    except Exception as exc:  # noqa: BLE001 - fail loudly, never skip
+        pytest.fail(f"rsyslogd with omkafka is not available and could not be installed: {exc}", pytrace=False)
+
+
+class Rsyslogd:
+    """One rsyslogd (foreground, own config/pid/work dir) shipping one file to Kafka as ``hostname``."""
+
+    def __init__(self, dist: RsyslogDist, root: Path, hostname: str, bootstrap: str, topic: str,
+                 template: str | None) -> None:
+        self.dist, self.root, self.hostname = dist, root, hostname
+        root.mkdir(parents=True)
+        (root / "work").mkdir()
+        self.log_file = root / "kern.log"
+        self.log_file.touch()
+        action_template = f' template="{template}"' if template else ""  # none: omkafka's default form
+        (root / "rsyslog.conf").write_text(f"""
+global(workDirectory="{root / 'work'}" localHostname="{hostname}")
+module(load="imfile")
+module(load="omkafka")
+{JSON_TEMPLATE}
+input(type="imfile" file="{self.log_file}" tag="kernel:" facility="kern" severity="err" ruleset="to_kafka")
+ruleset(name="to_kafka") {{
+  action(type="omkafka" broker=["{bootstrap}"] topic="{topic}"{action_template}
+         confParam=["queue.buffering.max.ms=10", "acks=all"])
+}}
+""")
+        self.proc: subprocess.Popen | None = None
+
+    def start(self) -> Rsyslogd:
+        out = (self.root / "rsyslogd.out").open("wb")
+        self.proc = subprocess.Popen(
+            [str(self.dist.rsyslogd), "-n", "-f", str(self.root / "rsyslog.conf"), "-i", str(self.root / "pid")],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        out.close()
+        return self
+
+    def write(self, *lines: str) -> None:
+        with self.log_file.open("a") as f:
+            for line in lines:
+                f.write(line + "\n")
+
+    def output(self) -> str:
+        return (self.root / "rsyslogd.out").read_text(errors="replace")[-3000:]
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+
+
+@pytest.fixture(scope="module")
+def worker_prefix(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    tag = uuid.uuid4().hex[:8]
+    prefix, app_id = f"t-rsys-{tag}-", f"t-rsys-{tag}"
+    asyncio.run(ensure_topics(kafka_bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), PARTITIONS))
+    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path_factory.mktemp("rsys-worker")).start()
+
+    async def ready() -> None:
+        async with Pipeline(kafka_bootstrap, prefix) as pipe:
+            await wait_ready(pipe, worker)
+
+    try:
+        asyncio.run(ready())
+        yield prefix
+        assert worker.alive(), f"the worker died:\n{worker.log_tail()}"
+    finally:
+        worker.stop()
+
+
+async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node(
+    rsyslog: RsyslogDist, kafka_bootstrap: str, worker_prefix: str, tmp_path: Path
+) -> None:
+    topics = TopicNames(prefix=worker_prefix)
+    raw_topic = topics.name("logs_kernel")
+    plain_node, json_node = f"rsys-plain-{uuid.uuid4().hex[:6]}", f"rsys-json-{uuid.uuid4().hex[:6]}"
+    daemons = [
+        Rsyslogd(rsyslog, tmp_path / "plain", plain_node, kafka_bootstrap, raw_topic, None).start(),
+        Rsyslogd(rsyslog, tmp_path / "json", json_node, kafka_bootstrap, raw_topic, "xidflow_json").start(),
+    ]
+    try:
+        async with Pipeline(kafka_bootstrap, worker_prefix) as pipe:
+            uptime = 538441.007373
+            for d, line in zip(daemons, (XID_79, XID_48), strict=True):
+                d.write(f"[{uptime:12.6f}] usb 1-1: new high-speed USB device number 2", f"[{uptime:12.6f}] {line}")
+
+            def incident_of(node: str, code: int) -> bool:
+                return any(i.get("type") == "incident" and i.get("code") == code for i in pipe.incidents(node))
+
+            deadline = time.monotonic() + 90
+            while not (incident_of(plain_node, 79) and incident_of(json_node, 48)):
+                for d in daemons:
+                    assert d.proc and d.proc.poll() is None, f"rsyslogd exited:\n{d.output()}"
+                assert time.monotonic() < deadline, (
+                    f"no incidents from rsyslog; seen {pipe.seen['incidents'][-5:]}, dead letters "
+                    f"{pipe.seen['deadletter'][-3:]}; rsyslogd: {[d.output() for d in daemons]}"
+                )
+                await pipe.poll()
+            # Exactly the right nodes, nothing for the rsyslog lines in the dead-letter topic.
+            await pipe.poll()
+            assert not [d for d in pipe.seen["deadletter"] if plain_node in str(d) or json_node in str(d)]
+    finally:
+        for d in daemons:
+            d.stop()
+
+    # What rsyslog actually produced: default form has no key and the host only in the header.
+    from aiokafka import TopicPartition
+
+    from pipeline import kafka_clients
+
+    consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, enable_auto_commit=False)
+    await consumer.start()
+    try:
+        parts = [TopicPartition(raw_topic, p) for p in sorted(consumer.partitions_for_topic(raw_topic) or range(4))]
+        consumer.assign(parts)
+        await consumer.seek_to_beginning(*parts)
+        records = []
+        for _ in range(10):
+            for batch in (await consumer.getmany(*parts, timeout_ms=500)).values():
+                records += batch
+    finally:
+        await consumer.stop()
+    plain = [r for r in records if plain_node.encode() in r.value]
+    as_json = [r for r in records if json_node.encode() in r.value]
+    assert plain and all(r.key is None for r in plain)
+    assert plain[0].value.split(b" ")[1] == plain_node.encode()  # "<rfc3339 time> <host> kernel: ..."
+    assert as_json and as_json[0].value.startswith(b"{") and b'"host":' in as_json[0].value
