@@ -74,7 +74,7 @@ def test_local_install_with_a_warm_cache_reports_every_step(tmp_path: Path, monk
     ):
         step_dir.mkdir(parents=True)
         (step_dir / ".complete").write_text("x")
-    result = CliRunner(env={"XIDFLOW_CACHE_DIR": str(tmp_path)}).invoke(cli, ["local", "install"])
+    result = CliRunner(env={"XIDFLOW_CACHE_DIR": str(tmp_path)}).invoke(cli, ["local", "install", "--no-loki"])
     assert result.exit_code == 0, result.output
     assert "step 1/2: Kafka broker jars (Maven) done in" in result.stderr
     assert "step 2/2: kube-apiserver and etcd (Go build) done in" in result.stderr
