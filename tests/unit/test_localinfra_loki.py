@@ -54,7 +54,9 @@ def test_config_is_loopback_only_filesystem_and_multi_tenant(tmp_path: Path) -> 
 def test_env_lines_announce_loki_only_when_started() -> None:
     base = Endpoints("127.0.0.1:9092", "/k", "local", "local")
     assert "LOKI_URL" not in base.env_lines()
-    with_loki = Endpoints("127.0.0.1:9092", "/k", "local", "local", loki_url="http://127.0.0.1:3100", loki_org_id="xidflow")
+    with_loki = Endpoints(
+        "127.0.0.1:9092", "/k", "local", "local", loki_url="http://127.0.0.1:3100", loki_org_id="xidflow"
+    )
     assert "export LOKI_URL=http://127.0.0.1:3100\n" in with_loki.env_lines()
     assert "export LOKI_ORG_ID=xidflow\n" in with_loki.env_lines()
     # State files written before Loki existed still load.
