@@ -405,3 +405,50 @@ def test_worker_serves_the_contract_metrics(shared_worker: tuple[str, str]) -> N
     assert total("xidflow_incidents_total", action="REBOOT_NODE") > 0
     assert total("xidflow_e2e_latency_seconds_count") > 0
     assert any(n == "xidflow_consumer_lag" for n, _ in samples)
+
+
+async def test_an_oversized_line_is_cut_once_and_detection_goes_on(shared_worker: tuple[str, str]) -> None:
+    """A 600 KB Xid line: its fault is still detected (line cut with a marker), its input is one dead
+    letter, and another node's fault right after it is an incident within seconds."""
+    import urllib.request
+
+    bootstrap, prefix = shared_worker
+    huge, other = node_name("huge"), node_name("after-huge")
+    line = XID.format(bus="4e", code=79, text="GPU has fallen off the bus. " + "x" * 600_000)
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.kernel(huge, line, T0)
+        sent = time.monotonic()
+        await pipe.kernel(other, XID.format(bus="4e", code=79, text="GPU has fallen off the bus."), T0)
+        await pipe.wait_for(lambda: bool(pipe.incidents(other)), 30, "the other node's incident")
+        took = time.monotonic() - sent
+        await pipe.wait_for(lambda: bool(pipe.incidents(huge)), 30, "the oversized line's incident")
+        await pipe.sentinel(huge, T0 + 1)
+        await pipe.wait_for(
+            lambda: any(d.get("key") == huge for d in pipe.seen["deadletter"]), 30, "the dead letter"
+        )
+        await asyncio.sleep(2)  # a duplicate letter would come right behind the first
+        await pipe.poll()
+        letters = [d for d in pipe.seen["deadletter"] if d.get("key") == huge]
+        [incident] = [i for i in pipe.incidents(huge) if i.get("code") == 79]
+    assert took < 30, took
+    assert [d["code"] for d in letters] == ["truncated"], letters
+    assert letters[0]["payload_truncated"] and len(letters[0]["payload"]) == 65536
+    assert "characters truncated]" in incident["line"] and len(incident["line"]) < 20_000
+    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/healthz", timeout=10) as resp:
+        assert resp.status == 200
+
+
+async def test_one_record_yields_a_bounded_number_of_dead_letters(shared_worker: tuple[str, str]) -> None:
+    """Newline-delimited JSON of 5000 bad lines: 10 dead letters (the last one summarises), no more."""
+    bootstrap, prefix = shared_worker
+    node = node_name("amplify")
+    value = b"\n".join(b'{"oops": "NVRM: %d"}' % i for i in range(5000)) + b"\n{bad json"
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.raw("logs_kernel", value, node.encode())
+        await pipe.sentinel(node, T0)
+        await pipe.wait_for(lambda: len([d for d in pipe.seen["deadletter"] if d.get("key") == node]) >= 10, 30)
+        await asyncio.sleep(2)
+        await pipe.poll()
+        letters = [d for d in pipe.seen["deadletter"] if d.get("key") == node]
+    assert len(letters) == 10, len(letters)
+    assert letters[-1]["code"] == "more_problems" and "4992 more problems" in letters[-1]["reason"]
