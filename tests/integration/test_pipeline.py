@@ -239,6 +239,18 @@ def shared_worker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
         worker.stop()
 
 
+def healthz(port: int) -> int:
+    """The status code of the worker's /healthz (200 live, 503 stalled)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def node_name(label: str) -> str:
     return f"n-{label}-{uuid.uuid4().hex[:6]}"
 
@@ -410,8 +422,6 @@ def test_worker_serves_the_contract_metrics(shared_worker: tuple[str, str]) -> N
 async def test_an_oversized_line_is_cut_once_and_detection_goes_on(shared_worker: tuple[str, str]) -> None:
     """A 600 KB Xid line: its fault is still detected (line cut with a marker), its input is one dead
     letter, and another node's fault right after it is an incident within seconds."""
-    import urllib.request
-
     bootstrap, prefix = shared_worker
     huge, other = node_name("huge"), node_name("after-huge")
     line = XID.format(bus="4e", code=79, text="GPU has fallen off the bus. " + "x" * 600_000)
@@ -434,8 +444,7 @@ async def test_an_oversized_line_is_cut_once_and_detection_goes_on(shared_worker
     assert [d["code"] for d in letters] == ["truncated"], letters
     assert letters[0]["payload_truncated"] and len(letters[0]["payload"]) == 65536
     assert "characters truncated]" in incident["line"] and len(incident["line"]) < 20_000
-    with urllib.request.urlopen(f"http://127.0.0.1:{METRICS_PORT}/healthz", timeout=10) as resp:
-        assert resp.status == 200
+    assert healthz(METRICS_PORT) == 200
 
 
 async def test_one_record_yields_a_bounded_number_of_dead_letters(shared_worker: tuple[str, str]) -> None:

@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
-from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, wait_ready
+from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, healthz, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -184,8 +184,6 @@ async def test_an_output_the_broker_refuses_is_a_dead_letter_not_a_restart_loop(
     """The fault-event topic takes at most 100 kB and lines are kept up to 256 KiB: the broker refuses
     the oversized line's event. That event becomes one dead letter; the worker neither restarts nor
     stops detecting, and /healthz stays green."""
-    import urllib.request
-
     from aiokafka.admin import NewTopic
 
     from pipeline.localinfra.procs import free_port
@@ -223,7 +221,6 @@ async def test_an_output_the_broker_refuses_is_a_dead_letter_not_a_restart_loop(
         assert sorted(d["code"] for d in letters) == ["output_failed", "truncated"], letters
         assert worker.alive(), worker.log_tail()
         assert "parse stage failed" not in worker.log_path.read_text(errors="replace")
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
-            assert resp.status == 200
+        assert healthz(port) == 200
     finally:
         worker.stop()
