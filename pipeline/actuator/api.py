@@ -46,7 +46,7 @@ from aiokafka import AIOKafkaProducer
 from kubernetes import client as k8s_client
 from kubernetes import config as k8s_config
 from kubernetes.client.rest import ApiException
-from pydantic import BaseModel, Field, SecretStr
+from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.actuator.requests import (
@@ -112,6 +112,13 @@ class ApiSettings(BaseSettings):
         description="How long to wait for Kafka to acknowledge a request before answering 503",
     )
     max_body_bytes: int = Field(default=65536, ge=1024, description="Largest request body accepted")
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file_exists(cls, value: Path | None) -> Path | None:
+        if value is not None and not value.is_file():
+            raise ValueError(f"no such file: {value}")
+        return value
 
 
 # --------------------------------------------------------------------------------------------------

@@ -34,7 +34,7 @@ def actuator(
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.metrics import serve_metrics
-    from pipeline.settings import KafkaSettings
+    from pipeline.settings import KafkaSettings, describe_validation_error
 
     logging.basicConfig(level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s")
     overrides = {
@@ -48,7 +48,7 @@ def actuator(
         if settings.policy_file:
             load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
     except ValidationError as exc:
-        raise click.ClickException(f"invalid settings (XIDFLOW_ACTUATOR_* / XIDFLOW_API_*):\n{exc}") from exc
+        raise click.ClickException(describe_validation_error(exc)) from None
     except PolicyError as exc:
         raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from exc
     if serve_api is None:

@@ -38,7 +38,7 @@ def worker(
 
     from pipeline.app import WorkerSettings, create_app, worker_topics
     from pipeline.kafka_admin import ensure_topics
-    from pipeline.settings import TopicNames
+    from pipeline.settings import TopicNames, describe_validation_error
 
     overrides = {
         "app_id": app_id,
@@ -62,7 +62,7 @@ def worker(
         ParseSettings()
         Catalog.from_settings()
     except ValidationError as exc:
-        raise click.ClickException(f"invalid settings (XIDFLOW_*):\n{exc}") from exc
+        raise click.ClickException(describe_validation_error(exc)) from None
     except CatalogError as exc:
         raise click.ClickException(f"invalid catalog override: {exc}") from exc
     names = worker_topics(settings.app_id, topics)
