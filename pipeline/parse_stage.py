@@ -532,6 +532,10 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.stage.assigned = set(assigned)
+        # Commit positions of partitions owned before are not ours to move any more.
+        for tp in [tp for tp in self.stage._ends if tp not in self.stage.assigned]:
+            del self.stage._ends[tp]
+            self.stage._committed.pop(tp, None)
 
 
 class ParseStage:
@@ -566,6 +570,8 @@ class ParseStage:
         # Per input partition: offsets below this had their dead letters acknowledged; a replay of
         # those records (held multi-line commit, restart, rebalance back to us) does not re-send them.
         self._dead_done: dict[tuple[str, int], int] = {}
+        self._ends: dict[TopicPartition, int] = {}  # end of the last processed batch per partition
+        self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
         self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
 
     def stop(self) -> None:
@@ -623,12 +629,14 @@ class ParseStage:
     ) -> None:
         now = time.monotonic()
         if not batches:
-            # Nothing new: still let stale partial messages out so their faults are not held back.
+            # Nothing new: still let stale partial messages out so their faults are not held back,
+            # and move the commits they held back (up to the end of what was processed).
             stale = self.core.flush_stale(now)
-            if not stale and not self._inflight:
+            behind = self._behind()
+            if not stale and not self._inflight and not behind:
                 self.live.progressed(now, idle=True)
             outputs = await self._send(producer, stale, [])
-            await self._settle(consumer, producer, outputs, {})
+            await self._settle(consumer, producer, outputs, behind)
             return
         self.live.busy(now)
         if self.counters.first_batch_at is None:
@@ -643,6 +651,7 @@ class ParseStage:
             result.records += part.records
             result.noise += part.noise
             ends[tp] = records[-1].offset + 1
+            self._ends[tp] = ends[tp]
             # Metrics per batch, not per record: the hot path stays free of per-line bookkeeping.
             metrics.LINES_IN.labels(tp.topic).inc(len(records))
             highwater = consumer.highwater(tp)
@@ -771,6 +780,16 @@ class ParseStage:
         metrics.OUTPUTS_LOST.inc()
         log.error("parse: output refused and its dead letter refused too (%s: %s)", type(exc).__name__, exc)
 
+    def _behind(self) -> dict[TopicPartition, int]:
+        """Processed ends of owned partitions whose commit lags (a held multi-line start was flushed)."""
+        behind: dict[TopicPartition, int] = {}
+        if not self._ends:
+            return behind
+        for tp, offset in self._committable(self._ends).items():
+            if tp in self.assigned and offset > self._committed.get(tp, -1):
+                behind[tp] = self._ends[tp]
+        return behind
+
     def _committable(self, ends: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         held = self.core.held_offsets()
         offsets = dict(ends)
@@ -786,6 +805,7 @@ class ParseStage:
             return True
         try:
             await consumer.commit(offsets)
+            self._committed.update(offsets)
             return True
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away: the new owner replays from the last commit

@@ -461,3 +461,40 @@ async def test_one_record_yields_a_bounded_number_of_dead_letters(shared_worker:
         letters = [d for d in pipe.seen["deadletter"] if d.get("key") == node]
     assert len(letters) == 10, len(letters)
     assert letters[-1]["code"] == "more_problems" and "4992 more problems" in letters[-1]["reason"]
+
+
+async def test_a_held_multiline_start_does_not_hold_the_commit_once_the_input_is_quiet(
+    shared_worker: tuple[str, str],
+) -> None:
+    """An NVRM line that might start a multi-line message holds its partition's commit, but only until
+    the multi-line timeout: with no further input the commit still reaches the end, so a restart
+    replays (and re-sends dead letters for) nothing that was settled."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    bootstrap, prefix = shared_worker
+    node = node_name("held")
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.kernel(node, "NVRM: loading NVIDIA UNIX x86_64 Kernel Module", T0)
+        await pipe.raw("logs_kernel", b'{"msg": "NVRM: broken', node.encode())
+        assert pipe.producer is not None
+        await pipe.producer.flush()
+    topic = TopicNames(prefix=prefix).name("logs_kernel")
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await reader.start()
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        from aiokafka import TopicPartition
+
+        ends = await reader.end_offsets([TopicPartition(topic, p) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 30
+        while True:
+            done = await admin.list_consumer_group_offsets(prefix.rstrip("-") + "-parse")
+            lagging = {tp: end for tp, end in ends.items() if end and (tp not in done or done[tp].offset < end)}
+            if not lagging:
+                break
+            assert time.monotonic() < deadline, f"commits still behind the input: {lagging} vs {done}"
+            await asyncio.sleep(0.5)
+    finally:
+        await reader.stop()
+        await admin.close()
