@@ -115,6 +115,13 @@ class ParseSettings(BaseSettings):
         description="Default 4. Batches parsed ahead of their acknowledgements and commits (commits stay "
         "ordered; 1 to 64).",
     )
+    max_unsettled_bytes: int = Field(
+        default=64 << 20,
+        ge=1 << 20,
+        le=4 << 30,
+        description="Default 64 MiB. Bytes of fault events and dead letters produced but not yet acknowledged "
+        "before parsing waits (1 MiB to 4 GiB).",
+    )
     linger_ms: int = Field(default=2, ge=0, le=10_000, description="Default 2. Producer linger for fault events.")
     session_timeout_ms: int = Field(
         default=30_000, ge=1000, le=3_600_000, description="Default 30000. Consumer group session timeout."
@@ -148,6 +155,13 @@ class ParseSettings(BaseSettings):
         description="Default 512 KiB. Largest fault event produced; a bigger one becomes a dead letter "
         "(keep it below the topics' max.message.bytes; 16 KiB to 1 MiB).",
     )
+    max_nodes: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        description="Default 50000. Nodes whose detector state (multi-line folds, GPU UUIDs) is kept; past "
+        "this the node quiet for longest is forgotten, so made-up node names cannot grow memory.",
+    )
     stall_after_s: float = Field(
         default=120.0,
         gt=0,
@@ -170,6 +184,8 @@ class DetectorLike(Protocol):
     def process(self, record: LogRecord) -> list[FaultEvent]: ...
 
     def flush(self, node: str | None = None) -> list[FaultEvent]: ...
+
+    def forget(self, node: str) -> None: ...
 
 
 class RawRecord(Protocol):
@@ -295,11 +311,28 @@ class ParseCore:
         # node -> (topic, partition, offset, first-seen monotonic time) of the oldest record whose
         # lines may still sit in the detector as the start of a multi-line message.
         self.partial: dict[str, tuple[str, int, int, float]] = {}
+        # Nodes with detector state, least recently seen first (bounded by ``max_nodes``).
+        self._nodes: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def reset(self) -> None:
         """Forget detector state (after a rebalance: the records are replayed from committed offsets)."""
         self.detector = self._detector_factory()
         self.partial.clear()
+        self._nodes.clear()
+
+    def _touch(self, node: str) -> None:
+        """Note that ``node`` has detector state; forget the quietest node past ``max_nodes``."""
+        nodes = self._nodes
+        if node in nodes:
+            nodes.move_to_end(node)
+            return
+        nodes[node] = None
+        if len(nodes) > self.settings.max_nodes:
+            old, _ = nodes.popitem(last=False)
+            if old not in self.partial:  # a node mid-fold is kept until its fold is flushed
+                self.detector.forget(old)
+            else:
+                nodes[old] = None
 
     def candidates(self, values: list[bytes | None]) -> list[int]:
         """Indexes of the records that must be decoded; all others are noise.
@@ -410,6 +443,7 @@ class ParseCore:
                 continue
             # Bound what this line can become (a fault event carries it twice): cut, with a marker.
             cut += clip_record(line, limit)
+            self._touch(line.node)
             events = self.detector.process(line)
             if events:
                 result.events += events
@@ -471,6 +505,7 @@ class ParseCore:
             shipper="probe",
         )
         clip_record(line, self.settings.max_line_chars)
+        self._touch(line.node)
         result.events += self.detector.process(line) or [health_event(check)]
 
     def flush_stale(self, now: float) -> list[FaultEvent]:
@@ -567,6 +602,7 @@ class ParseStage:
         self._dead_log_at = time.monotonic()
         self._dead_suppressed = 0
         self._inflight: collections.deque[asyncio.Task] = collections.deque()
+        self._inflight_bytes: collections.deque[int] = collections.deque()  # output bytes of each settle
         # Per input partition: offsets below this had their dead letters acknowledged; a replay of
         # those records (held multi-line commit, restart, rebalance back to us) does not re-send them.
         self._dead_done: dict[tuple[str, int], int] = {}
@@ -616,6 +652,7 @@ class ParseStage:
                 for task in self._inflight:
                     task.cancel()
                 self._inflight.clear()
+                self._inflight_bytes.clear()
                 await consumer.stop()
         finally:
             await producer.stop()
@@ -684,8 +721,16 @@ class ParseStage:
         """
         offsets = self._committable(ends)
         while self._inflight and self._inflight[0].done():
+            self._inflight_bytes.popleft()
             self._inflight.popleft().result()  # re-raise a connection failure: restart from the last commit
-        if len(self._inflight) >= self.settings.max_unsettled_batches:
+        size = sum(o.size for o in outputs)
+        # Bounded work ahead of the broker: batches, and bytes of outputs not yet acknowledged (a batch
+        # of large dead letters would otherwise hold hundreds of MB, which the allocator keeps).
+        while self._inflight and (
+            len(self._inflight) >= self.settings.max_unsettled_batches
+            or sum(self._inflight_bytes) + size > self.settings.max_unsettled_bytes
+        ):
+            self._inflight_bytes.popleft()
             await self._inflight.popleft()
         previous = self._inflight[-1] if self._inflight else None
 
@@ -708,10 +753,12 @@ class ParseStage:
                 self.live.progressed()
 
         self._inflight.append(asyncio.ensure_future(settle()))
+        self._inflight_bytes.append(size)
 
     async def drain(self) -> None:
         """Wait until every processed batch is acknowledged and committed."""
         while self._inflight:
+            self._inflight_bytes.popleft()
             await self._inflight.popleft()
 
     async def _send(
@@ -733,7 +780,7 @@ class ParseStage:
                 await self._replace(producer, fallback, exc)
                 continue
             metrics.FAULT_EVENTS.labels(ev.kind.value).inc()
-            outputs.append(_Output(future, fallback))
+            outputs.append(_Output(future, fallback, len(data)))
         for dl in dead:
             if dl.partition is not None and dl.offset is not None and dl.topic is not None:
                 if dl.offset < self._dead_done.get((dl.topic, dl.partition), -1):
@@ -752,7 +799,7 @@ class ParseStage:
                     raise
                 await self._replace(producer, fallback, exc)
                 continue
-            outputs.append(_Output(future, fallback))
+            outputs.append(_Output(future, fallback, len(data)))
         return outputs
 
     async def _replace(self, producer: AIOKafkaProducer, fallback: Callable[[BaseException, int], DeadLetter],
@@ -854,6 +901,7 @@ def _per_record(exc: BaseException) -> bool:
 class _Output:
     future: asyncio.Future
     fallback: Callable[[BaseException, int], DeadLetter]
+    size: int = 0
 
 
 def _event_letter(ev: FaultEvent) -> Callable[[BaseException, int], DeadLetter]:

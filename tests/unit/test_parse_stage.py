@@ -193,3 +193,11 @@ def test_no_input_yields_unbounded_outputs(noise: bytes, depth: int) -> None:
     result = core.process([Rec(value, key=None), Rec(value)])
     assert len(result.dead_letters) <= 6
     assert all(len(e.to_bytes()) < 8 * 1024 for e in result.events)
+
+
+def test_detector_state_is_kept_for_at_most_max_nodes() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_nodes=50, multiline_timeout_s=0.001))
+    records = [Rec(kmsg(XID79, node=f"made-up-{i}"), offset=i) for i in range(500)]
+    result = core.process(records)
+    assert len(result.events) == 500
+    assert len(core._nodes) <= 51 and len(core.detector._nodes) <= 51  # type: ignore[attr-defined]
