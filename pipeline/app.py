@@ -216,6 +216,7 @@ def create_app(
 
     if settings.parse:
         parse_agent.register(xapp)
+    install_memory_release(xapp)
     if settings.aggregate:
         aggregate_agent.register(xapp)
         from pipeline import fetch_watchdog
@@ -223,6 +224,15 @@ def create_app(
         fetch_watchdog.install(xapp.app, {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()})
         install_aggregation_liveness(xapp)
     return xapp
+
+
+def install_memory_release(xapp: XidflowApp, interval_s: float = 30.0) -> None:
+    """Give memory freed after a burst back to the system every ``interval_s`` (``pipeline.allocator``)."""
+    from pipeline import allocator
+
+    @xapp.app.timer(interval=interval_s)
+    async def release_memory() -> None:
+        allocator.trim()
 
 
 def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> None:
