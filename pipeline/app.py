@@ -257,7 +257,8 @@ def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> N
             behind = False
             for tp in tps:
                 highwater = consumer.highwater(tp)
-                done = read[tp] + 1 if read[tp] is not None else None
+                # Next offset the agent needs: after the last delivered one, else the committed one.
+                done = read[tp] + 1 if read[tp] is not None else consumer._committed_offset.get(tp)
                 if highwater is not None and highwater > 0 and (done is None or done < highwater):
                     behind = True
         except Exception:  # noqa: BLE001 - Faust internals moved: report beats only

@@ -47,15 +47,20 @@ HUGE_EVERY = 10_000
 """One record in this many is a huge kernel line (300 to 700 KB: under the broker's 1 MiB)."""
 
 _TRACE_HOOK = '''
-import os, threading, time, tracemalloc, signal
+import os, threading, time, tracemalloc
 tracemalloc.start(int(os.environ.get("XIDFLOW_SOAK_TRACE_FRAMES", "1")))
-def _dump(*_):
-    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
-    with open(os.environ["XIDFLOW_SOAK_TRACE_OUT"], "a") as out:
-        out.write(f"--- {time.time():.0f} traced={tracemalloc.get_traced_memory()}\\n")
-        for stat in snap.statistics("lineno")[:25]:
-            out.write(f"{stat}\\n")
-signal.signal(signal.SIGUSR2, _dump)
+def _watch():  # a snapshot whenever the soak touches <out>.now (mode's worker owns the signals)
+    out = os.environ["XIDFLOW_SOAK_TRACE_OUT"]
+    while True:
+        time.sleep(1)
+        if os.path.exists(out + ".now"):
+            os.unlink(out + ".now")
+            snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
+            with open(out, "a") as f:
+                f.write(f"--- {time.time():.0f} traced={tracemalloc.get_traced_memory()}\\n")
+                for stat in snap.statistics("lineno")[:30]:
+                    f.write(f"{stat}\\n")
+threading.Thread(target=_watch, daemon=True).start()
 '''
 
 
@@ -251,6 +256,8 @@ async def run_soak(
             raise RuntimeError(f"worker not ready:\n{log_path.read_text(errors='replace')[-3000:]}")
         watcher = asyncio.create_task(watch_health())
         result["rss_kib_start"] = rss_kib(proc.pid)
+        if trace_malloc:
+            await asyncio.to_thread(Path(f"{trace_out}.now").touch)
         malformed: set[int] = set()
         per_round = records // rounds
         started = time.monotonic()
@@ -277,7 +284,7 @@ async def run_soak(
             rss = rss_kib(proc.pid)
             result["rss_kib_after_round"].append(rss)
             if trace_malloc:
-                proc.send_signal(12)  # SIGUSR2: the hook appends a tracemalloc snapshot
+                await asyncio.to_thread(Path(f"{trace_out}.now").touch)  # the hook appends a snapshot
             log(f"round {r + 1}/{rounds}: {count} records settled; worker RSS {rss / 1024:.0f} MiB")
         result["seconds"] = round(time.monotonic() - started, 1)
         result["records_per_s"] = round(records / max(result["seconds"], 1e-9))
