@@ -14,8 +14,8 @@ from collections import Counter
 
 from schemas.records import DeadLetter, DeadLetterCode, LogRecord
 
-DEFAULT_MAX_LINE_CHARS = 16384
-"""Characters kept of one physical line (printk's limit is 1024; long pod lines still fit)."""
+DEFAULT_MAX_LINE_CHARS = 4096
+"""Characters kept of one physical line (printk's limit is 1024; pod lines of a few KB still fit)."""
 
 DEFAULT_MAX_DEAD_LETTERS = 10
 """Dead letters one input record yields at most (the last one summarises the rest)."""

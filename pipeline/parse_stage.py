@@ -139,7 +139,7 @@ class ParseSettings(BaseSettings):
         default=DEFAULT_MAX_LINE_CHARS,
         ge=256,
         le=262_144,
-        description="Default 16384. Characters kept of one log line that reaches the detector; a longer line is "
+        description="Default 4096. Characters kept of one log line that reaches the detector; a longer line is "
         "cut with a marker and its record goes to the dead-letter topic once (256 to 262144).",
     )
     max_dead_letters_per_record: int = Field(
