@@ -606,6 +606,10 @@ class ParseStage:
         # Per input partition: offsets below this had their dead letters acknowledged; a replay of
         # those records (held multi-line commit, restart, rebalance back to us) does not re-send them.
         self._dead_done: dict[tuple[str, int], int] = {}
+        # Same, for letters handed to the producer and not failed: a replay while they are in flight
+        # (a rebalance) does not send them twice. A failed settle restarts the stage, which falls
+        # back to the acknowledged marks.
+        self._dead_sent: dict[tuple[str, int], int] = {}
         self._ends: dict[TopicPartition, int] = {}  # end of the last processed batch per partition
         self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
         self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
@@ -616,6 +620,7 @@ class ParseStage:
     async def run(self, stop_after: int | None = None) -> StageCounters:
         """Run until ``stop()`` (or until ``stop_after`` records were processed, for benchmarks)."""
         s = self.settings
+        self._dead_sent = dict(self._dead_done)  # after a failure: only what was acknowledged counts
         consumer = kafka_clients.consumer(
             bootstrap=self.bootstrap,
             group_id=self.group_id,
@@ -695,6 +700,10 @@ class ParseStage:
             if highwater is not None:
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - ends[tp]))
         outputs = await self._send(producer, result.events, result.dead_letters)
+        for tp, end in ends.items():
+            key = (tp.topic, tp.partition)
+            if end > self._dead_sent.get(key, -1):
+                self._dead_sent[key] = end
         c = self.counters
         c.records += result.records
         c.noise += result.noise
@@ -783,7 +792,7 @@ class ParseStage:
             outputs.append(_Output(future, fallback, len(data)))
         for dl in dead:
             if dl.partition is not None and dl.offset is not None and dl.topic is not None:
-                if dl.offset < self._dead_done.get((dl.topic, dl.partition), -1):
+                if dl.offset < self._dead_sent.get((dl.topic, dl.partition), -1):
                     self.counters.dead_letters_skipped += 1
                     continue
             self._log_dead_letter(dl)
