@@ -97,16 +97,17 @@ class ParseSettings(BaseSettings):
         "flushed, so its fault is emitted and its partition's commit moves on (above 0, at most 3600).",
     )
     fetch_max_bytes: int = Field(
-        default=64 << 20,
-        ge=1 << 20,
-        le=1 << 30,
-        description="Default 64 MiB. Consumer fetch_max_bytes (1 MiB to 1 GiB).",
-    )
-    max_partition_fetch_bytes: int = Field(
         default=16 << 20,
         ge=1 << 20,
         le=1 << 30,
-        description="Default 16 MiB. Consumer max_partition_fetch_bytes (1 MiB to 1 GiB).",
+        description="Default 16 MiB. Consumer fetch_max_bytes (1 MiB to 1 GiB): with max_records, what one "
+        "batch may hold in memory (20000 log lines are ~4 MB).",
+    )
+    max_partition_fetch_bytes: int = Field(
+        default=4 << 20,
+        ge=1 << 20,
+        le=1 << 30,
+        description="Default 4 MiB. Consumer max_partition_fetch_bytes (1 MiB to 1 GiB).",
     )
     max_unsettled_batches: int = Field(
         default=4,
@@ -116,10 +117,10 @@ class ParseSettings(BaseSettings):
         "ordered; 1 to 64).",
     )
     max_unsettled_bytes: int = Field(
-        default=64 << 20,
+        default=32 << 20,
         ge=1 << 20,
         le=4 << 30,
-        description="Default 64 MiB. Bytes of fault events and dead letters produced but not yet acknowledged "
+        description="Default 32 MiB. Bytes of fault events and dead letters produced but not yet acknowledged "
         "before parsing waits (1 MiB to 4 GiB).",
     )
     linger_ms: int = Field(default=2, ge=0, le=10_000, description="Default 2. Producer linger for fault events.")

@@ -48,7 +48,7 @@ HUGE_EVERY = 10_000
 
 _TRACE_HOOK = '''
 import os, threading, time, tracemalloc
-tracemalloc.start(int(os.environ.get("XIDFLOW_SOAK_TRACE_FRAMES", "1")))
+tracemalloc.start(int(os.environ.get("XIDFLOW_SOAK_TRACE_FRAMES", "8")))
 def _watch():  # a snapshot whenever the soak touches <out>.now (mode's worker owns the signals)
     out = os.environ["XIDFLOW_SOAK_TRACE_OUT"]
     while True:
@@ -58,8 +58,14 @@ def _watch():  # a snapshot whenever the soak touches <out>.now (mode's worker o
             snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(False, tracemalloc.__file__)])
             with open(out, "a") as f:
                 f.write(f"--- {time.time():.0f} traced={tracemalloc.get_traced_memory()}\\n")
-                for stat in snap.statistics("lineno")[:30]:
-                    f.write(f"{stat}\\n")
+                if first:
+                    for stat in snap.compare_to(first[0], "traceback")[:15]:  # what grew since the start
+                        f.write(f"{stat}\\n")
+                        for line in stat.traceback.format()[-12:]:
+                            f.write(f"    {line}\\n")
+                else:
+                    first.append(snap)
+first = []
 threading.Thread(target=_watch, daemon=True).start()
 '''
 
