@@ -689,6 +689,7 @@ class ParseStage:
         ends: dict[TopicPartition, int] = {}
         for tp, records in batches.items():
             part = self.core.process(records, now, topic=tp.topic)
+            self.live.beat()  # a long batch is work, not a stall
             result.events += part.events
             result.dead_letters += part.dead_letters
             result.records += part.records
