@@ -295,6 +295,8 @@ async def run_soak(
         result["seconds"] = round(time.monotonic() - started, 1)
         result["records_per_s"] = round(records / max(result["seconds"], 1e-9))
         await asyncio.sleep(10)
+        result["rss_kib_after_idle_10s"] = rss_kib(proc.pid) if alive() else None
+        await asyncio.sleep(30)  # the worker gives freed memory back every 30 s
         result["rss_kib_after_idle"] = rss_kib(proc.pid) if alive() else None
         result["alive"] = alive()
         took = await fault_to_incident(producer, incidents, topics, f"soak-after-{tag}", 60.0, alive)
