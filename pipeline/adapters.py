@@ -40,7 +40,7 @@ from pydantic import ValidationError
 
 from pipeline import shippers
 from pipeline.parsing.kmsg import decode_kmsg_escapes
-from schemas.records import DeadLetter, LogRecord, Source
+from schemas.records import DeadLetter, DeadLetterCode, LogRecord, Source
 
 STAGE = "adapter"
 
@@ -72,6 +72,10 @@ _SOURCE_BY_VALUE = {s.value: s for s in Source}
 class _Reject(Exception):
     """One entry (or the whole record) cannot become a LogRecord; the message is the reason."""
 
+    def __init__(self, reason: str, code: DeadLetterCode = DeadLetterCode.INVALID_RECORD) -> None:
+        super().__init__(reason)
+        self.code = code
+
 
 def decode_record(
     value: bytes | None,
@@ -95,12 +99,13 @@ def decode_record(
     ctx = _Context(key, headers, topic, source_hint, timestamp_ms, partition, offset)
     try:
         if value is None:
-            return [], [ctx.dead("empty record: value is null (tombstone)", value)]
+            return [], [ctx.dead("empty record: value is null (tombstone)", value, DeadLetterCode.EMPTY)]
         if len(value) > max_bytes:
-            return [], [ctx.dead(f"oversize record: {len(value)} bytes > limit {max_bytes}", value)]
+            reason = f"oversize record: {len(value)} bytes > limit {max_bytes}"
+            return [], [ctx.dead(reason, value, DeadLetterCode.OVERSIZE)]
         stripped = value.strip()
         if not stripped:
-            return [], [ctx.dead("empty record: value is empty or whitespace", value)]
+            return [], [ctx.dead("empty record: value is empty or whitespace", value, DeadLetterCode.EMPTY)]
         first = stripped[:1]
         if first == b"{":
             try:
@@ -108,7 +113,7 @@ def decode_record(
             except orjson.JSONDecodeError as exc:
                 if b"\n" in stripped:
                     return ctx.from_json_lines(stripped.split(b"\n"), value)
-                return [], [ctx.dead(f"invalid JSON: {exc}", value)]
+                return [], [ctx.dead(f"invalid JSON: {exc}", value, DeadLetterCode.INVALID_JSON)]
             return ctx.from_json(obj, value)
         if first == b"[":
             # A dmesg line starts with '[' too ("[538441.007373] NVRM: ..."): JSON only if it parses.
@@ -119,7 +124,7 @@ def decode_record(
             return ctx.from_json(obj, value)
         return ctx.from_text(value)
     except Exception as exc:  # the contract is "never raises"; the reason says what broke
-        return [], [ctx.dead(f"adapter error {type(exc).__name__}: {exc}", value)]
+        return [], [ctx.dead(f"adapter error {type(exc).__name__}: {exc}", value, DeadLetterCode.PARSE_ERROR)]
 
 
 def source_for_topic(topic: str) -> Source | None:
@@ -240,7 +245,9 @@ class _Context:
 
     # -- shared helpers -------------------------------------------------------------------------
 
-    def dead(self, reason: str, payload: bytes | str | None) -> DeadLetter:
+    def dead(
+        self, reason: str, payload: bytes | str | None, code: DeadLetterCode = DeadLetterCode.OTHER
+    ) -> DeadLetter:
         where = f"topic {self.topic}"
         if self.partition is not None:
             where += f" partition {self.partition}"
@@ -250,6 +257,7 @@ class _Context:
             STAGE,
             f"{reason} ({where})",
             payload,
+            code,
             topic=self.topic,
             partition=self.partition,
             offset=self.offset,
@@ -315,7 +323,9 @@ class _Context:
         boot_id: Any = None,
     ) -> LogRecord:
         if node is None:
-            raise _Reject("no node: no node/hostname/host field, no node header and no Kafka key")
+            raise _Reject(
+                "no node: no node/hostname/host field, no node header and no Kafka key", DeadLetterCode.NO_NODE
+            )
         if not isinstance(line, str):
             raise _Reject(f"log line is {type(line).__name__}, not a string")
         # Validated constructor on purpose: in pydantic 2.x it is faster than model_construct, and a
@@ -344,7 +354,7 @@ class _Context:
         node = self.fallback_node()
         if node is None:
             reason = "plain-text record without node: set the Kafka key or a 'node' header"
-            return [], [self.dead(reason, value)]
+            return [], [self.dead(reason, value, DeadLetterCode.NO_NODE)]
         # Kernel lines may carry stray bytes; replacement keeps the line parseable and JSON-encodable.
         text = value.decode("utf-8", "replace")
         source = self.default_source()
@@ -359,14 +369,15 @@ class _Context:
         if isinstance(obj, list):
             # Fluent Bit JSON encoders: [ts, {record}] or, with metadata, [[ts, {meta}], {record}].
             if len(obj) != 2 or not isinstance(obj[1], dict):
-                return [], [self.dead("JSON array is not [timestamp, {record}]", value)]
+                return [], [self.dead("JSON array is not [timestamp, {record}]", value, DeadLetterCode.UNKNOWN_SHAPE)]
             head = obj[0]
             if isinstance(head, list) and head:
                 head = head[0]
             ts_hint = parse_timestamp(head)
             obj = obj[1]
         if not isinstance(obj, dict):
-            return [], [self.dead(f"JSON {type(obj).__name__} where an object was expected", value)]
+            reason = f"JSON {type(obj).__name__} where an object was expected"
+            return [], [self.dead(reason, value, DeadLetterCode.UNKNOWN_SHAPE)]
         try:
             if "streams" in obj:
                 return self.from_loki(obj, value)
@@ -378,7 +389,7 @@ class _Context:
                 return [self.from_logrecord(obj)], []
             return [self.from_fluentbit(obj, ts_hint)], []
         except _Reject as exc:
-            return [], [self.dead(str(exc), value)]
+            return [], [self.dead(str(exc), value, exc.code)]
 
     def from_json_lines(self, lines: list[bytes], value: bytes) -> tuple[list[LogRecord], list[DeadLetter]]:
         """Newline-delimited JSON (``json_lines``): each line one record, bad lines dead-lettered alone."""
@@ -391,7 +402,7 @@ class _Context:
             try:
                 obj = orjson.loads(raw)
             except orjson.JSONDecodeError as exc:
-                dead.append(self.dead(f"invalid JSON on line {number}: {exc}", raw))
+                dead.append(self.dead(f"invalid JSON on line {number}: {exc}", raw, DeadLetterCode.INVALID_JSON))
                 continue
             got, bad = self.from_json(obj, raw)
             records.extend(got)
@@ -402,7 +413,7 @@ class _Context:
         if not obj.get("node"):
             node = self.fallback_node()
             if node is None:
-                raise _Reject("LogRecord without node and no node header or Kafka key")
+                raise _Reject("LogRecord without node and no node header or Kafka key", DeadLetterCode.NO_NODE)
             obj = {**obj, "node": node}
         try:
             return LogRecord.model_validate(obj)
@@ -472,9 +483,10 @@ class _Context:
                 )
         kind = obj.get("type")
         if isinstance(kind, str) and kind != "log":
-            raise _Reject(f"JSON object of record type '{kind}' is not a log line")
+            raise _Reject(f"JSON object of record type '{kind}' is not a log line", DeadLetterCode.UNKNOWN_SHAPE)
         keys = ", ".join(sorted(str(k) for k in obj)[:10])
-        raise _Reject(f"JSON object has no log line field (msg/log/message/MESSAGE/streams); keys: {keys}")
+        raise _Reject(f"JSON object has no log line field (msg/log/message/MESSAGE/streams); keys: {keys}",
+                      DeadLetterCode.UNKNOWN_SHAPE)
 
     def _kmsg_time(self, obj: dict[str, Any]) -> datetime | None:
         # kmsg sec/usec count from boot; only a Fluent Bit build that rewrote them to epoch passes here.
@@ -518,23 +530,25 @@ class _Context:
             # Loki tells us it lost entries before they reached us; nothing is dropped silently.
             count = len(dropped) if isinstance(dropped, list) else "some"
             reason = f"Loki reported {count} dropped_entries (lost upstream)"
-            dead.append(self.dead(reason, orjson.dumps(dropped)))
+            dead.append(self.dead(reason, orjson.dumps(dropped), DeadLetterCode.UPSTREAM_LOSS))
         if not isinstance(streams, list):
-            dead.append(self.dead(f"Loki 'streams' is {type(streams).__name__}, not a list", value))
+            reason = f"Loki 'streams' is {type(streams).__name__}, not a list"
+            dead.append(self.dead(reason, value, DeadLetterCode.UNKNOWN_SHAPE))
             return records, dead
         if not streams and not dropped:
-            dead.append(self.dead("Loki message with no streams", value))
+            dead.append(self.dead("Loki message with no streams", value, DeadLetterCode.UNKNOWN_SHAPE))
             return records, dead
         for i, stream in enumerate(streams):
             if not isinstance(stream, dict):
-                dead.append(self.dead(f"Loki streams[{i}] is not an object", value))
+                dead.append(self.dead(f"Loki streams[{i}] is not an object", value, DeadLetterCode.UNKNOWN_SHAPE))
                 continue
             labels = stream.get("stream")
             if labels is None:
                 labels = {}
             values = stream.get("values")
             if not isinstance(labels, dict) or not isinstance(values, list):
-                dead.append(self.dead(f"Loki streams[{i}] needs 'stream' object and 'values' list", value))
+                dead.append(self.dead(f"Loki streams[{i}] needs 'stream' object and 'values' list", value,
+                                          DeadLetterCode.UNKNOWN_SHAPE))
                 continue
             node = None
             for label in NODE_LABELS:
@@ -571,7 +585,7 @@ class _Context:
                         )
                     )
                 except _Reject as exc:
-                    dead.append(self.dead(f"Loki streams[{i}].values[{j}]: {exc}", orjson.dumps(entry)))
+                    dead.append(self.dead(f"Loki streams[{i}].values[{j}]: {exc}", orjson.dumps(entry), exc.code))
         return records, dead
 
 

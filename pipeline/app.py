@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import faust
 import mode
-from pydantic import Field
+from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import kafka_clients
@@ -87,19 +87,49 @@ class WorkerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="XIDFLOW_WORKER_", extra="ignore")
 
-    app_id: str = Field(default="xidflow", description="Default 'xidflow'. Faust app id = consumer group prefix.")
-    partitions: int = Field(
-        default=8, description="Default 8. Partitions of topics the worker creates (existing ones are kept)."
+    app_id: str = Field(
+        default="xidflow",
+        min_length=1,
+        max_length=200,
+        pattern=r"^[A-Za-z0-9._-]+$",
+        description="Default 'xidflow'. Faust app id = consumer group prefix (letters, digits, '.', '_', '-').",
     )
-    replication_factor: int = Field(default=1, description="Default 1. Replication of created topics.")
+    partitions: int = Field(
+        default=8,
+        ge=1,
+        le=10_000,
+        description="Default 8. Partitions of topics the worker creates (existing ones are kept; 1 to 10000).",
+    )
+    replication_factor: int = Field(
+        default=1, ge=1, le=32, description="Default 1. Replication of created topics (1 to 32)."
+    )
     parse: bool = Field(default=True, description="Default true. Run the parse service in this worker.")
     aggregate: bool = Field(default=True, description="Default true. Run the aggregation agent in this worker.")
-    tick_interval_s: float = Field(default=10.0, description="Default 10. How often quiet periods are checked.")
-    aggregate_batch: int = Field(default=2000, description="Default 2000. Fault events per aggregation batch.")
-    aggregate_within_s: float = Field(
-        default=0.01, description="Default 0.01. Longest wait to fill an aggregation batch."
+    tick_interval_s: float = Field(
+        default=10.0, gt=0, le=3600.0, description="Default 10. How often quiet periods are checked."
     )
-    web_port: int | None = Field(default=None, description="Default none. Prometheus metrics port.")
+    aggregate_batch: int = Field(
+        default=2000, ge=1, le=1_000_000, description="Default 2000. Fault events per aggregation batch."
+    )
+    aggregate_within_s: float = Field(
+        default=0.01, gt=0, le=60.0, description="Default 0.01. Longest wait to fill an aggregation batch."
+    )
+    web_port: int | None = Field(
+        default=None, ge=0, le=65535, description="Default none. Prometheus metrics port."
+    )
+    stall_after_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Default 120. /healthz fails when the aggregation agent had fault events waiting and "
+        "read none for this long, or its checks did not run for this long.",
+    )
+
+    @model_validator(mode="after")
+    def _at_least_one_stage(self) -> WorkerSettings:
+        if not (self.parse or self.aggregate):
+            raise ValueError("parse and aggregate are both off: the worker would do nothing")
+        return self
 
 
 @dataclass
@@ -196,12 +226,62 @@ def create_app(
 
     if settings.parse:
         parse_agent.register(xapp)
+    install_memory_release(xapp)
     if settings.aggregate:
         aggregate_agent.register(xapp)
         from pipeline import fetch_watchdog
 
         fetch_watchdog.install(xapp.app, {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()})
+        install_aggregation_liveness(xapp)
     return xapp
+
+
+def install_memory_release(xapp: XidflowApp, interval_s: float = 30.0) -> None:
+    """Give memory freed after a burst back to the system every ``interval_s`` (``pipeline.allocator``)."""
+    from pipeline import allocator
+
+    @xapp.app.timer(interval=interval_s)
+    async def release_memory() -> None:
+        allocator.trim()
+
+
+def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> None:
+    """A timer that tells ``/healthz`` whether the aggregation agent reads its fault events.
+
+    Progress: the offsets Faust delivered to the agent moved, or every assigned fault-event
+    partition is read to its end. The timer itself is the beat: a blocked event loop stops it.
+    """
+    from pipeline.liveness import LIVENESS
+
+    topic = xapp.fault_events.get_topic_name()
+    live = LIVENESS.component(f"aggregate:{xapp.settings.app_id}", xapp.settings.stall_after_s)
+    last: dict = {}
+
+    @xapp.app.timer(interval=interval_s)
+    async def aggregation_liveness() -> None:
+        consumer = xapp.app.consumer
+        live.beat()
+        try:
+            tps = [tp for tp in consumer.assignment() if tp.topic == topic]
+            read = {tp: consumer._read_offset.get(tp) for tp in tps}  # last offset delivered to the agent
+            behind = False
+            for tp in tps:
+                highwater = consumer.highwater(tp)
+                # Next offset the agent needs: after the last delivered one, else the committed one.
+                done = read[tp] + 1 if read[tp] is not None else consumer._committed_offset.get(tp)
+                if highwater is not None and highwater > 0 and (done is None or done < highwater):
+                    behind = True
+        except Exception:  # noqa: BLE001 - Faust internals moved: report beats only
+            return
+        moved = read != last
+        last.clear()
+        last.update(read)
+        if not behind:
+            live.progressed(idle=True)
+        elif moved:
+            live.progressed()
+        else:
+            live.busy()
 
 
 class ParseService(mode.Service):
@@ -216,16 +296,24 @@ class ParseService(mode.Service):
         self._run_task = asyncio.ensure_future(self._run_forever())
 
     async def _run_forever(self) -> None:
-        # The stage never raises on input; a connection-level failure is retried, not fatal.
+        # The stage never raises on input (a record's failure is its dead letter); what is left is a
+        # connection-level failure, retried with a growing pause. While it lasts the stage commits
+        # nothing, and /healthz says so after ``stall_after_s``.
+        pause = 1.0
         while not self.should_stop:
+            started = asyncio.get_running_loop().time()
             try:
                 await self.stage.run()
                 return
             except asyncio.CancelledError:
                 raise
-            except Exception:  # noqa: BLE001 - keep the worker alive; Kafka outages are transient
-                log.exception("parse stage failed; restarting in 1s")
-                await asyncio.sleep(1.0)
+            except Exception as exc:  # noqa: BLE001 - keep the worker alive; Kafka outages are transient
+                if asyncio.get_running_loop().time() - started > 60:
+                    pause = 1.0  # it ran a while: a new outage, not the same one
+                self.stage.live.note = f"restarting after {type(exc).__name__}"
+                log.exception("parse stage failed; restarting in %.0fs", pause)
+                await asyncio.sleep(pause)
+                pause = min(30.0, pause * 2)
 
     async def on_stop(self) -> None:
         self.stage.stop()

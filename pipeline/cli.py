@@ -8,6 +8,7 @@ importing Faust or the Kubernetes client. Each entry maps a command name to
 from __future__ import annotations
 
 import importlib
+import os
 import sys
 
 import click
@@ -43,6 +44,33 @@ class LazyGroup(click.Group):
                 raise
             raise click.ClickException(f"'{cmd_name}' is not available in this build ({module_name} missing)") from exc
         return getattr(module, attr)
+
+    def invoke(self, ctx: click.Context) -> object:
+        """Run the command; what escapes it is one clear sentence and a non-zero exit, not a traceback.
+
+        Settings refused by their class name the environment variable; anything else names the
+        error. ``XIDFLOW_DEBUG=1`` lets the traceback through.
+        """
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.Abort):
+            raise
+        except Exception as exc:
+            if os.environ.get("XIDFLOW_DEBUG"):
+                raise
+            from pydantic import ValidationError
+            from pydantic_settings import SettingsError
+
+            if isinstance(exc, ValidationError):
+                from pipeline.settings import describe_validation_error
+
+                raise click.ClickException(describe_validation_error(exc)) from None
+            if isinstance(exc, SettingsError):  # unparsable JSON in a variable; the value is not shown
+                raise click.ClickException(f"invalid settings: {exc}") from None
+            command = ctx.invoked_subcommand or "xidflow"
+            raise click.ClickException(
+                f"{command} failed: {type(exc).__name__}: {exc} (XIDFLOW_DEBUG=1 shows the traceback)"
+            ) from None
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         # Listing uses the static help texts so that `--help` imports nothing heavy.

@@ -1,18 +1,39 @@
 """Prometheus metrics of every xidflow process (the names are a contract: dashboards use them).
 
-Each process serves them at ``:$XIDFLOW_METRICS_PORT/metrics`` (default 9400; 0 disables).
+Each process serves them at ``:$XIDFLOW_METRICS_PORT/metrics`` (default 9400; 0 disables), and its
+liveness (``pipeline.liveness``) at ``/healthz`` on the same port: 200 while every registered stage
+makes progress, 503 naming the stalled ones.
+
+Label values are closed sets (topic names, partitions, enum values): a label never carries text
+that comes from input, so no input can grow the number of series.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
+from collections.abc import Callable, Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, start_http_server
+from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+
+from pipeline.liveness import LIVENESS
 
 LINES_IN = Counter("xidflow_lines_total", "Raw log records read from the input topics", ["source"])
 FAULT_EVENTS = Counter("xidflow_fault_events_total", "Recognised fault events", ["kind"])
-DEADLETTERS = Counter("xidflow_deadletters_total", "Records sent to the dead-letter topic", ["stage", "reason"])
+DEADLETTERS = Counter(
+    "xidflow_deadletters_total", "Records sent to the dead-letter topic (reason: a DeadLetterCode value)",
+    ["stage", "reason"],
+)
+OUTPUT_FAILURES = Counter(
+    "xidflow_output_failures_total", "Outputs refused by the producer or broker, replaced by a dead letter"
+)
+OUTPUTS_LOST = Counter(
+    "xidflow_outputs_lost_total", "Refused outputs whose replacement dead letter was refused too (logged)"
+)
 INCIDENTS = Counter("xidflow_incidents_total", "Node incidents opened or escalated", ["action"])
 RECOVERIES = Counter("xidflow_recoveries_total", "NodeRecovered records emitted", ["reason"])
 REMEDIATIONS = Counter("xidflow_remediations_total", "Actuator decisions and effects", ["action", "outcome"])
@@ -34,10 +55,38 @@ def serve_metrics(port: int | None = None) -> int | None:
         return None
     if port not in _started:
         try:
-            start_http_server(port, addr=os.environ.get("XIDFLOW_METRICS_ADDR", "0.0.0.0"))
+            _serve(port, os.environ.get("XIDFLOW_METRICS_ADDR", "0.0.0.0"))
         except OSError as exc:
             # Metrics are for observing; a busy port (another process on this host) must not stop the work.
             logging.getLogger("xidflow.metrics").warning("metrics not served on port %d: %s", port, exc)
             return None
         _started.add(port)
     return port
+
+
+_metrics_app = make_wsgi_app()
+
+
+def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+    """``/healthz``: the process's liveness; anything else: the Prometheus exposition."""
+    if environ.get("PATH_INFO") in ("/healthz", "/livez"):
+        live, reasons = LIVENESS.check()
+        body = ("ok\n" if live else "stalled: " + "; ".join(reasons) + "\n").encode()
+        start_response("200 OK" if live else "503 Service Unavailable",
+                       [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
+        return [body]
+    return _metrics_app(environ, start_response)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+
+
+class _Quiet(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base class's name
+        pass
+
+
+def _serve(port: int, addr: str) -> None:
+    server = make_server(addr, port, app, _Server, handler_class=_Quiet)
+    threading.Thread(target=server.serve_forever, name="xidflow-metrics", daemon=True).start()

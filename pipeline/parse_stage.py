@@ -35,17 +35,29 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
-from aiokafka.errors import CommitFailedError, KafkaError
+from aiokafka.errors import (
+    CommitFailedError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+    KafkaError,
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+)
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import metrics
+from pipeline import kafka_clients, metrics
+from pipeline.bounds import DEFAULT_MAX_DEAD_LETTERS, DEFAULT_MAX_LINE_CHARS, cap_dead_letters, clip_record
 from pipeline.catalog import Catalog
 from pipeline.group_membership import leave_on_close
+from pipeline.liveness import LIVENESS, Component
 from pipeline.settings import ConsumerGroupSettings, TopicNames
 from schemas.records import (
     Action,
     DeadLetter,
+    DeadLetterCode,
     FaultEvent,
     FaultKind,
     HealthCheckResult,
@@ -65,30 +77,91 @@ class ParseSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="XIDFLOW_PARSE_", extra="ignore")
 
-    max_records: int = Field(default=20_000, description="Default 20000. Records per getmany batch.")
+    max_records: int = Field(
+        default=20_000, ge=1, le=1_000_000, description="Default 20000. Records per getmany batch (1 to 1000000)."
+    )
     poll_timeout_ms: int = Field(
-        default=50, description="Default 50. How long getmany waits for records when none are buffered."
+        default=50,
+        ge=1,
+        le=60_000,
+        description="Default 50. How long getmany waits for records when none are buffered (1 to 60000).",
     )
     shape_check_every: int = Field(
         default=1000,
+        ge=0,
         description="Default 1000. Decode one noise record in this many to catch unknown shapes (0: never).",
     )
     multiline_timeout_s: float = Field(
         default=2.0,
+        gt=0,
+        le=3600,
         description="Default 2. A node whose detector holds a partial multi-line message this long is "
-        "flushed, so its fault is emitted and its partition's commit moves on.",
+        "flushed, so its fault is emitted and its partition's commit moves on (above 0, at most 3600).",
     )
-    fetch_max_bytes: int = Field(default=64 << 20, description="Default 64 MiB. Consumer fetch_max_bytes.")
+    fetch_max_bytes: int = Field(
+        default=16 << 20,
+        ge=1 << 20,
+        le=1 << 30,
+        description="Default 16 MiB. Consumer fetch_max_bytes (1 MiB to 1 GiB): with max_records, what one "
+        "batch may hold in memory (20000 log lines are ~4 MB).",
+    )
     max_partition_fetch_bytes: int = Field(
-        default=16 << 20, description="Default 16 MiB. Consumer max_partition_fetch_bytes."
+        default=4 << 20,
+        ge=1 << 20,
+        le=1 << 30,
+        description="Default 4 MiB. Consumer max_partition_fetch_bytes (1 MiB to 1 GiB).",
     )
     max_unsettled_batches: int = Field(
         default=4,
-        description="Default 4. Batches parsed ahead of their acknowledgements and commits (commits stay ordered).",
+        ge=1,
+        le=64,
+        description="Default 4. Batches parsed ahead of their acknowledgements and commits (commits stay "
+        "ordered; 1 to 64).",
     )
-    linger_ms: int = Field(default=2, description="Default 2. Producer linger for fault events.")
+    max_unsettled_bytes: int = Field(
+        default=32 << 20,
+        ge=1 << 20,
+        le=4 << 30,
+        description="Default 32 MiB. Bytes of fault events and dead letters produced but not yet acknowledged "
+        "before parsing waits (1 MiB to 4 GiB).",
+    )
+    linger_ms: int = Field(default=2, ge=0, le=10_000, description="Default 2. Producer linger for fault events.")
     dead_letter_log_per_s: float = Field(
-        default=10.0, description="Default 10. Dead letters logged per second at most (the rest are counted)."
+        default=10.0, ge=0, description="Default 10. Dead letters logged per second at most (the rest are counted)."
+    )
+    max_line_chars: int = Field(
+        default=DEFAULT_MAX_LINE_CHARS,
+        ge=256,
+        le=262_144,
+        description="Default 4096. Characters kept of one log line that reaches the detector; a longer line is "
+        "cut with a marker and its record goes to the dead-letter topic once (256 to 262144).",
+    )
+    max_dead_letters_per_record: int = Field(
+        default=DEFAULT_MAX_DEAD_LETTERS,
+        ge=1,
+        le=1000,
+        description="Default 10. Dead letters one input record yields at most; the last summarises the rest.",
+    )
+    max_output_bytes: int = Field(
+        default=512 << 10,
+        ge=16 << 10,
+        le=1 << 20,
+        description="Default 512 KiB. Largest fault event produced; a bigger one becomes a dead letter "
+        "(keep it below the topics' max.message.bytes; 16 KiB to 1 MiB).",
+    )
+    max_nodes: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        description="Default 50000. Nodes whose detector state (multi-line folds, GPU UUIDs) is kept; past "
+        "this the node quiet for longest is forgotten, so made-up node names cannot grow memory.",
+    )
+    stall_after_s: float = Field(
+        default=120.0,
+        gt=0,
+        le=86_400,
+        description="Default 120. /healthz fails when the stage had input waiting and made no progress "
+        "(no commit) for this long, or its loop did not run for this long.",
     )
 
 
@@ -96,6 +169,8 @@ class DetectorLike(Protocol):
     def process(self, record: LogRecord) -> list[FaultEvent]: ...
 
     def flush(self, node: str | None = None) -> list[FaultEvent]: ...
+
+    def forget(self, node: str) -> None: ...
 
 
 class RawRecord(Protocol):
@@ -211,11 +286,28 @@ class ParseCore:
         # node -> (topic, partition, offset, first-seen monotonic time) of the oldest record whose
         # lines may still sit in the detector as the start of a multi-line message.
         self.partial: dict[str, tuple[str, int, int, float]] = {}
+        # Nodes with detector state, least recently seen first (bounded by ``max_nodes``).
+        self._nodes: collections.OrderedDict[str, None] = collections.OrderedDict()
 
     def reset(self) -> None:
         """Forget detector state (after a rebalance: the records are replayed from committed offsets)."""
         self.detector = self._detector_factory()
         self.partial.clear()
+        self._nodes.clear()
+
+    def _touch(self, node: str) -> None:
+        """Note that ``node`` has detector state; forget the quietest node past ``max_nodes``."""
+        nodes = self._nodes
+        if node in nodes:
+            nodes.move_to_end(node)
+            return
+        nodes[node] = None
+        if len(nodes) > self.settings.max_nodes:
+            old, _ = nodes.popitem(last=False)
+            if old not in self.partial:  # a node mid-fold is kept until its fold is flushed
+                self.detector.forget(old)
+            else:
+                nodes[old] = None
 
     def candidates(self, values: list[bytes | None]) -> list[int]:
         """Indexes of the records that must be decoded; all others are noise.
@@ -301,6 +393,7 @@ class ParseCore:
                     STAGE,
                     f"parse error {type(exc).__name__}: {exc}",
                     rec.value,
+                    DeadLetterCode.PARSE_ERROR,
                     topic=rec.topic,
                     partition=rec.partition,
                     offset=rec.offset,
@@ -318,16 +411,36 @@ class ParseCore:
             partition=rec.partition,
             offset=rec.offset,
         )
-        result.dead_letters += dead
+        limit = self.settings.max_line_chars
+        cut = 0
         for line in lines:
             if not self.prefilter(line.line, line.source):
                 continue
+            # Bound what this line can become (a fault event carries it twice): cut, with a marker.
+            cut += clip_record(line, limit)
+            self._touch(line.node)
             events = self.detector.process(line)
             if events:
                 result.events += events
                 self.partial.pop(line.node, None)
             elif line.node not in self.partial:
                 self.partial[line.node] = (rec.topic, rec.partition, rec.offset, now)
+        if cut:
+            # The whole input, once, where an operator can read what was cut (itself cut to 64 KiB).
+            dead.append(
+                DeadLetter.of(
+                    STAGE,
+                    f"over-long line: {cut} characters cut to {limit} per line; the payload is the input",
+                    rec.value,
+                    DeadLetterCode.TRUNCATED,
+                    topic=rec.topic,
+                    partition=rec.partition,
+                    offset=rec.offset,
+                    key=_text(rec.key),
+                )
+            )
+        if dead:
+            result.dead_letters += cap_dead_letters(dead, self.settings.max_dead_letters_per_record)
 
     def _health(self, rec: RawRecord, result: BatchResult, now: float) -> None:
         """Probe records are ``HealthCheckResult`` JSON, not log lines: validate, then classify.
@@ -346,6 +459,7 @@ class ParseCore:
                     STAGE,
                     reason,
                     rec.value,
+                    DeadLetterCode.INVALID_RECORD,
                     topic=rec.topic,
                     partition=rec.partition,
                     offset=rec.offset,
@@ -365,6 +479,8 @@ class ParseCore:
             boot_id=check.boot_id,
             shipper="probe",
         )
+        clip_record(line, self.settings.max_line_chars)
+        self._touch(line.node)
         result.events += self.detector.process(line) or [health_event(check)]
 
     def flush_stale(self, now: float) -> list[FaultEvent]:
@@ -401,6 +517,9 @@ class StageCounters:
     dead_letters: int = 0
     batches: int = 0
     commit_failures: int = 0
+    outputs_failed: int = 0  # outputs the broker or client refused, replaced by dead letters
+    outputs_lost: int = 0  # outputs whose replacement dead letter was refused too (logged)
+    dead_letters_skipped: int = 0  # dead letters of replayed records whose letters were already acknowledged
     first_batch_at: float | None = None  # monotonic time the first non-empty batch arrived
     last_batch_at: float | None = None  # monotonic time the last batch was processed and handed to settle
     first_batch_cpu: float | None = None  # process CPU time at the first batch (benchmarks)
@@ -423,6 +542,10 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.stage.assigned = set(assigned)
+        # Commit positions of partitions owned before are not ours to move any more.
+        for tp in [tp for tp in self.stage._ends if tp not in self.stage.assigned]:
+            del self.stage._ends[tp]
+            self.stage._committed.pop(tp, None)
 
 
 class ParseStage:
@@ -456,15 +579,25 @@ class ParseStage:
         self._dead_log_at = time.monotonic()
         self._dead_suppressed = 0
         self._inflight: collections.deque[asyncio.Task] = collections.deque()
+        self._inflight_bytes: collections.deque[int] = collections.deque()  # output bytes of each settle
+        # Per input partition: offsets below this had their dead letters acknowledged; a replay of
+        # those records (held multi-line commit, restart, rebalance back to us) does not re-send them.
+        self._dead_done: dict[tuple[str, int], int] = {}
+        # Same, for letters handed to the producer and not failed: a replay while they are in flight
+        # (a rebalance) does not send them twice. A failed settle restarts the stage, which falls
+        # back to the acknowledged marks.
+        self._dead_sent: dict[tuple[str, int], int] = {}
+        self._ends: dict[TopicPartition, int] = {}  # end of the last processed batch per partition
+        self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
+        self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
 
     def stop(self) -> None:
         self._stopping.set()
 
     async def run(self, stop_after: int | None = None) -> StageCounters:
         """Run until ``stop()`` (or until ``stop_after`` records were processed, for benchmarks)."""
-        from pipeline import kafka_clients
-
         s = self.settings
+        self._dead_sent = dict(self._dead_done)  # after a failure: only what was acknowledged counts
         consumer = kafka_clients.consumer(
             bootstrap=self.bootstrap,
             group_id=self.group_id,
@@ -488,6 +621,7 @@ class ParseStage:
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
             try:
                 while not self._stopping.is_set():
+                    self.live.beat()
                     batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
                     await self._handle(consumer, producer, batches)
                     if stop_after is not None and self.counters.records >= stop_after:
@@ -498,6 +632,7 @@ class ParseStage:
                 for task in self._inflight:
                     task.cancel()
                 self._inflight.clear()
+                self._inflight_bytes.clear()
                 if self.group.leave_on_shutdown:
                     leave_on_close(consumer)
                 await consumer.stop()
@@ -513,11 +648,16 @@ class ParseStage:
     ) -> None:
         now = time.monotonic()
         if not batches:
-            # Nothing new: still let stale partial messages out so their faults are not held back.
+            # Nothing new: still let stale partial messages out so their faults are not held back,
+            # and move the commits they held back (up to the end of what was processed).
             stale = self.core.flush_stale(now)
-            futures = await self._send(producer, stale, [])
-            await self._settle(consumer, futures, {})
+            behind = self._behind()
+            if not stale and not self._inflight and not behind:
+                self.live.progressed(now, idle=True)
+            outputs = await self._send(producer, stale, [])
+            await self._settle(consumer, producer, outputs, behind)
             return
+        self.live.busy(now)
         if self.counters.first_batch_at is None:
             self.counters.first_batch_at = now
             self.counters.first_batch_cpu = time.process_time()
@@ -525,68 +665,164 @@ class ParseStage:
         ends: dict[TopicPartition, int] = {}
         for tp, records in batches.items():
             part = self.core.process(records, now, topic=tp.topic)
+            self.live.beat()  # a long batch is work, not a stall
             result.events += part.events
             result.dead_letters += part.dead_letters
             result.records += part.records
             result.noise += part.noise
             ends[tp] = records[-1].offset + 1
+            self._ends[tp] = ends[tp]
             # Metrics per batch, not per record: the hot path stays free of per-line bookkeeping.
             metrics.LINES_IN.labels(tp.topic).inc(len(records))
             highwater = consumer.highwater(tp)
             if highwater is not None:
                 metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - ends[tp]))
-        futures = await self._send(producer, result.events, result.dead_letters)
+        outputs = await self._send(producer, result.events, result.dead_letters)
+        for tp, end in ends.items():
+            key = (tp.topic, tp.partition)
+            if end > self._dead_sent.get(key, -1):
+                self._dead_sent[key] = end
         c = self.counters
         c.records += result.records
         c.noise += result.noise
         c.events += len(result.events)
         c.dead_letters += len(result.dead_letters)
         c.batches += 1
-        await self._settle(consumer, futures, ends)
+        await self._settle(consumer, producer, outputs, ends)
         c.last_batch_at = time.monotonic()
         c.last_batch_cpu = time.process_time()
 
-    async def _settle(self, consumer: AIOKafkaConsumer, futures: list[asyncio.Future], ends: dict) -> None:
+    async def _settle(
+        self,
+        consumer: AIOKafkaConsumer,
+        producer: AIOKafkaProducer,
+        outputs: list[_Output],
+        ends: dict[TopicPartition, int],
+    ) -> None:
         """Commit this batch once its outputs are acknowledged, overlapped with the next batches.
 
         Commits stay in order (each settle waits for the one before it); parsing runs at most
-        ``max_unsettled_batches`` batches ahead of the broker's acknowledgements and commits.
+        ``max_unsettled_batches`` batches ahead of the broker's acknowledgements and commits. An
+        output the broker refuses for what it is (too large, invalid) becomes a dead letter; only a
+        failure of the connection itself fails the settle (the stage restarts from the last commit).
         """
         offsets = self._committable(ends)
         while self._inflight and self._inflight[0].done():
-            self._inflight.popleft().result()  # re-raise a failed produce: restart from the last commit
-        if len(self._inflight) >= self.settings.max_unsettled_batches:
+            self._inflight_bytes.popleft()
+            self._inflight.popleft().result()  # re-raise a connection failure: restart from the last commit
+        size = sum(o.size for o in outputs)
+        # Bounded work ahead of the broker: batches, and bytes of outputs not yet acknowledged (a batch
+        # of large dead letters would otherwise hold hundreds of MB, which the allocator keeps).
+        while self._inflight and (
+            len(self._inflight) >= self.settings.max_unsettled_batches
+            or sum(self._inflight_bytes) + size > self.settings.max_unsettled_bytes
+        ):
+            self._inflight_bytes.popleft()
             await self._inflight.popleft()
         previous = self._inflight[-1] if self._inflight else None
 
         async def settle() -> None:
             if previous is not None:
                 await previous
-            if futures:
-                # Offsets are committed only after every output is acknowledged by the broker.
-                await asyncio.gather(*futures)
-            await self._commit(consumer, offsets)
+            if outputs:
+                # Offsets are committed only after every output (or its dead letter) is acknowledged.
+                results = await asyncio.gather(*(o.future for o in outputs), return_exceptions=True)
+                for out, res in zip(outputs, results, strict=True):
+                    if isinstance(res, BaseException):
+                        if not _per_record(res):
+                            raise res
+                        await self._replace(producer, out.fallback, res)
+            for tp, end in ends.items():
+                key = (tp.topic, tp.partition)
+                if end > self._dead_done.get(key, -1):
+                    self._dead_done[key] = end
+            if await self._commit(consumer, offsets):
+                self.live.progressed()
 
         self._inflight.append(asyncio.ensure_future(settle()))
+        self._inflight_bytes.append(size)
 
     async def drain(self) -> None:
         """Wait until every processed batch is acknowledged and committed."""
         while self._inflight:
+            self._inflight_bytes.popleft()
             await self._inflight.popleft()
 
     async def _send(
         self, producer: AIOKafkaProducer, events: list[FaultEvent], dead: list[DeadLetter]
-    ) -> list[asyncio.Future]:
-        futures = []
+    ) -> list[_Output]:
+        """Hand every output to the producer; one that cannot even be sent is replaced at once."""
+        outputs: list[_Output] = []
+        limit = self.settings.max_output_bytes
         for ev in events:
-            futures.append(await producer.send(self.fault_topic, ev.to_bytes(), key=ev.node.encode()))
+            fallback = _event_letter(ev)
+            try:
+                data = ev.to_bytes()
+                if len(data) > limit:
+                    raise OutputTooLarge(f"{len(data)} bytes > max_output_bytes {limit}")
+                future = await producer.send(self.fault_topic, data, key=ev.node.encode())
+            except Exception as exc:  # noqa: BLE001 - a record's failure is that record's dead letter
+                if not _per_record(exc):
+                    raise
+                await self._replace(producer, fallback, exc)
+                continue
             metrics.FAULT_EVENTS.labels(ev.kind.value).inc()
+            outputs.append(_Output(future, fallback, len(data)))
         for dl in dead:
+            if dl.partition is not None and dl.offset is not None and dl.topic is not None:
+                if dl.offset < self._dead_sent.get((dl.topic, dl.partition), -1):
+                    self.counters.dead_letters_skipped += 1
+                    continue
             self._log_dead_letter(dl)
-            metrics.DEADLETTERS.labels(dl.stage, dl.reason.split(":", 1)[0][:60]).inc()
-            key = dl.key.encode() if dl.key else None
-            futures.append(await producer.send(self.dead_topic, dl.to_bytes(), key=key))
-        return futures
+            metrics.DEADLETTERS.labels(dl.stage, dl.code.value).inc()
+            fallback = _letter_letter(dl)
+            try:
+                data = dl.to_bytes()
+                if len(data) > limit:
+                    raise OutputTooLarge(f"{len(data)} bytes > max_output_bytes {limit}")
+                future = await producer.send(self.dead_topic, data, key=dl.key.encode() if dl.key else None)
+            except Exception as exc:  # noqa: BLE001 - as above
+                if not _per_record(exc):
+                    raise
+                await self._replace(producer, fallback, exc)
+                continue
+            outputs.append(_Output(future, fallback, len(data)))
+        return outputs
+
+    async def _replace(self, producer: AIOKafkaProducer, fallback: Callable[[BaseException, int], DeadLetter],
+                       exc: BaseException) -> None:
+        """Produce the dead letter that replaces a refused output: with a short payload, then none.
+
+        Never raises for the record: when even the bare letter is refused, it is logged and counted.
+        """
+        self.counters.outputs_failed += 1
+        metrics.OUTPUT_FAILURES.inc()
+        for max_payload in (4096, 0):
+            letter = fallback(exc, max_payload)
+            try:
+                key = letter.key.encode() if letter.key else None
+                await (await producer.send(self.dead_topic, letter.to_bytes(), key=key))
+            except Exception as again:  # noqa: BLE001
+                if not _per_record(again):
+                    raise
+                exc = again
+                continue
+            metrics.DEADLETTERS.labels(letter.stage, letter.code.value).inc()
+            self._log_dead_letter(letter)
+            return
+        self.counters.outputs_lost += 1
+        metrics.OUTPUTS_LOST.inc()
+        log.error("parse: output refused and its dead letter refused too (%s: %s)", type(exc).__name__, exc)
+
+    def _behind(self) -> dict[TopicPartition, int]:
+        """Processed ends of owned partitions whose commit lags (a held multi-line start was flushed)."""
+        behind: dict[TopicPartition, int] = {}
+        if not self._ends:
+            return behind
+        for tp, offset in self._committable(self._ends).items():
+            if tp in self.assigned and offset > self._committed.get(tp, -1):
+                behind[tp] = self._ends[tp]
+        return behind
 
     def _committable(self, ends: dict[TopicPartition, int]) -> dict[TopicPartition, int]:
         held = self.core.held_offsets()
@@ -597,16 +833,20 @@ class ParseStage:
                 offsets[tp] = min(offsets[tp], offset)
         return offsets
 
-    async def _commit(self, consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> None:
+    async def _commit(self, consumer: AIOKafkaConsumer, offsets: dict[TopicPartition, int]) -> bool:
+        """Commit; True when done (or nothing to commit)."""
         if not offsets:
-            return
+            return True
         try:
             await consumer.commit(offsets)
+            self._committed.update(offsets)
+            return True
         except (CommitFailedError, KafkaError) as exc:
             # A rebalance took the partitions away: the new owner replays from the last commit
             # (at-least-once; deterministic event ids make the replay harmless downstream).
             self.counters.commit_failures += 1
             log.warning("parse commit failed (%s); records will be replayed by the partition owner", exc)
+            return False
 
     def _log_dead_letter(self, dl: DeadLetter) -> None:
         now = time.monotonic()
@@ -620,3 +860,63 @@ class ParseStage:
             log.warning("dead letter from %s: %s%s", dl.topic, dl.reason, extra)
         else:
             self._dead_suppressed += 1
+
+
+class OutputTooLarge(ValueError):
+    """An output is larger than ``max_output_bytes`` (the broker would refuse it)."""
+
+
+PER_RECORD_ERRORS: tuple[type[BaseException], ...] = (
+    MessageSizeTooLargeError,
+    RecordListTooLargeError,
+    RecordTooLargeError,
+    CorruptRecordException,
+    InvalidMessageError,
+    InvalidTimestampError,
+)
+"""Kafka errors about one record (not the connection): the record's output becomes a dead letter."""
+
+
+def _per_record(exc: BaseException) -> bool:
+    """A failure of this output alone (refused record, serialisation), not of the connection."""
+    if isinstance(exc, PER_RECORD_ERRORS):
+        return True
+    return isinstance(exc, Exception) and not isinstance(exc, KafkaError)
+
+
+@dataclass(slots=True)
+class _Output:
+    future: asyncio.Future
+    fallback: Callable[[BaseException, int], DeadLetter]
+    size: int = 0
+
+
+def _event_letter(ev: FaultEvent) -> Callable[[BaseException, int], DeadLetter]:
+    def make(exc: BaseException, max_payload: int) -> DeadLetter:
+        return DeadLetter.of(
+            STAGE,
+            f"fault event {ev.id} ({ev.kind.value}) could not be produced: {type(exc).__name__}: {exc}",
+            ev.line,
+            DeadLetterCode.OUTPUT_FAILED,
+            max_payload=max_payload,
+            key=ev.node,
+        )
+
+    return make
+
+
+def _letter_letter(dl: DeadLetter) -> Callable[[BaseException, int], DeadLetter]:
+    def make(exc: BaseException, max_payload: int) -> DeadLetter:
+        return DeadLetter.of(
+            dl.stage,
+            f"{dl.reason} [dead letter refused: {type(exc).__name__}: {exc}]",
+            dl.payload,
+            dl.code,
+            max_payload=max_payload,
+            topic=dl.topic,
+            partition=dl.partition,
+            offset=dl.offset,
+            key=dl.key,
+        )
+
+    return make

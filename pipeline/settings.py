@@ -6,11 +6,15 @@ shares: where Kafka is and what the topics are called.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import AliasChoices, Field, SecretStr, field_validator, model_validator
+from pydantic import AliasChoices, BaseModel, Field, SecretStr, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+_TOPIC_CHARS = re.compile(r"^[A-Za-z0-9._-]*$")
+_HOST_PORT = re.compile(r"^\[?[A-Za-z0-9._:-]+\]?:\d{1,5}$")
 
 
 class TopicNames(BaseSettings):
@@ -28,6 +32,17 @@ class TopicNames(BaseSettings):
     remediation_audit: str = Field(default="gpu.remediation.audit", description="RemediationRecord audit trail")
     remediation_requests: str = Field(
         default="gpu.remediation.requests", description="RescueActionRequest records from the decision API")
+
+    @field_validator("*")
+    @classmethod
+    def _kafka_topic_name(cls, value: str, info: Any) -> str:
+        if not _TOPIC_CHARS.match(value):
+            raise ValueError("a Kafka topic name may only hold letters, digits, '.', '_' and '-'")
+        if info.field_name != "prefix" and not value:
+            raise ValueError("a topic name cannot be empty")
+        if len(value) > 200:
+            raise ValueError("longer than 200 characters (Kafka allows 249 with the prefix)")
+        return value
 
     def name(self, field: str) -> str:
         return self.prefix + getattr(self, field)
@@ -52,6 +67,18 @@ class KafkaSettings(BaseSettings):
         validation_alias="KAFKA_BOOTSTRAP_SERVERS",
         description="Comma-separated host:port list",
     )
+
+    @field_validator("bootstrap_servers")
+    @classmethod
+    def _host_port_list(cls, value: str) -> str:
+        servers = [v.strip() for v in value.split(",") if v.strip()]
+        if not servers:
+            raise ValueError("no host:port given")
+        for server in servers:
+            if not _HOST_PORT.match(server) or not 0 < int(server.rsplit(":", 1)[1]) < 65536:
+                raise ValueError(f"{server!r} is not host:port")
+        return value
+
     security_protocol: Literal["PLAINTEXT", "SSL", "SASL_PLAINTEXT", "SASL_SSL"] = Field(
         default="PLAINTEXT",
         validation_alias="KAFKA_SECURITY_PROTOCOL",
@@ -264,3 +291,53 @@ class ConsumerGroupSettings(BaseSettings):
             # A request must outlive the session (a JoinGroup waits up to it).
             "request_timeout_ms": int(max(40.0, self.session_timeout_s + 10) * 1000),
         }
+
+
+SECRET_HINTS = ("token", "secret", "password", "credential", "sasl", "api_key", "private")
+"""Settings whose names hold one of these never have their value printed."""
+
+
+def _env_name(model: type[BaseModel] | None, field: str) -> str:
+    if model is None or field not in model.model_fields:
+        return field
+    alias = model.model_fields[field].validation_alias
+    if isinstance(alias, str):
+        return alias
+    prefix = str(model.model_config.get("env_prefix", "")) if issubclass(model, BaseSettings) else ""
+    return (prefix + field).upper()
+
+
+def _settings_class(title: str) -> type[BaseModel] | None:
+    stack: list[type] = [BaseSettings]
+    while stack:
+        cls = stack.pop()
+        if cls.__name__ == title:
+            return cls
+        stack.extend(cls.__subclasses__())
+    return None
+
+
+def describe_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One sentence per refused setting, naming its environment variable; secrets are never shown.
+
+    ``model``: the settings class (found by the error's title when not given).
+    """
+    model = model or _settings_class(exc.title)
+    lines = []
+    for err in exc.errors(include_url=False):
+        loc = [str(part) for part in err.get("loc", ())]
+        msg = str(err.get("msg", "invalid"))
+        if not loc:
+            prefix = str(model.model_config.get("env_prefix", "")) if model is not None else ""
+            lines.append(f"invalid settings {prefix.upper()}*: {msg}")
+            continue
+        name = _env_name(model, loc[0])
+        where = name + ("." + ".".join(loc[1:]) if len(loc) > 1 else "")
+        value = err.get("input")
+        shown = ""
+        secret = any(hint in name.lower() for hint in SECRET_HINTS)
+        if not secret and isinstance(value, str | int | float) and not isinstance(value, bool):
+            text = str(value)
+            shown = f"={text[:80]!r}" if isinstance(value, str) else f"={text[:80]}"
+        lines.append(f"invalid setting {where}{shown}: {msg}")
+    return "\n".join(lines) or f"invalid settings: {exc.title}"

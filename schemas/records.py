@@ -324,12 +324,38 @@ class RemediationRecord(Record):
     details: dict[str, Any] = Field(default_factory=dict)
 
 
+class DeadLetterCode(StrEnum):
+    """Why a record became a dead letter: a closed set (metric label values); the free text is ``reason``."""
+
+    EMPTY = "empty"
+    OVERSIZE = "oversize"
+    INVALID_JSON = "invalid_json"
+    UNKNOWN_SHAPE = "unknown_shape"
+    NO_NODE = "no_node"
+    INVALID_RECORD = "invalid_record"
+    UPSTREAM_LOSS = "upstream_loss"
+    TRUNCATED = "truncated"
+    PARSE_ERROR = "parse_error"
+    OUTPUT_FAILED = "output_failed"
+    MORE_PROBLEMS = "more_problems"
+    OTHER = "other"
+
+
+DEAD_LETTER_MAX_PAYLOAD = 65536
+"""Characters of the input kept in a dead letter (a dead letter stays far below Kafka's 1 MiB limit)."""
+DEAD_LETTER_MAX_TEXT = 2048
+"""Characters kept of a dead letter's reason and key."""
+
+
 class DeadLetter(Record):
     """Input that could not be understood, with why. Nothing is dropped silently."""
 
     type: Literal["dead_letter"] = "dead_letter"
     stage: str = Field(description="Which stage rejected it (adapter, parse, actuator, ...)")
     reason: str
+    code: DeadLetterCode = Field(
+        default=DeadLetterCode.OTHER, description="Why, as one of a closed set (the metric label); reason says more"
+    )
     topic: str | None = None
     partition: int | None = None
     offset: int | None = None
@@ -339,15 +365,33 @@ class DeadLetter(Record):
     received_at: datetime = Field(default_factory=utcnow)
 
     @classmethod
-    def of(cls, stage: str, reason: str, payload: bytes | str | None, **kw: Any) -> DeadLetter:
+    def of(
+        cls,
+        stage: str,
+        reason: str,
+        payload: bytes | str | None,
+        code: DeadLetterCode = DeadLetterCode.OTHER,
+        max_payload: int = DEAD_LETTER_MAX_PAYLOAD,
+        **kw: Any,
+    ) -> DeadLetter:
         if payload is None:
             text = ""
         elif isinstance(payload, bytes):
-            text = payload[:65536].decode("utf-8", "replace")
+            text = payload[:max_payload].decode("utf-8", "replace")
         else:
-            text = payload[:65536]
+            text = payload[:max_payload]
         size = len(payload) if payload is not None else 0
-        return cls(stage=stage, reason=reason, payload=text, payload_truncated=size > 65536, **kw)
+        key = kw.pop("key", None)
+        if isinstance(key, str):
+            key = _clip(key)
+        return cls(
+            stage=stage, reason=_clip(reason), code=code, payload=text, payload_truncated=size > max_payload,
+            key=key, **kw,
+        )
+
+
+def _clip(text: str, limit: int = DEAD_LETTER_MAX_TEXT) -> str:
+    return text if len(text) <= limit else f"{text[:limit]}... [{len(text) - limit} more characters]"
 
 
 ALL_RECORDS: tuple[type[Record], ...] = (

@@ -5,9 +5,11 @@ Each field's docstring is its description (``use_attribute_docstrings``) and sta
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -84,3 +86,28 @@ class ActuatorSettings(BaseSettings):
     """YAML file of the default GPU-reset Job template. Default empty: built-in template."""
     hook_service_account: str = "xidflow-node-ops"
     """ServiceAccount (no RBAC, no token) that reboot/GPU-reset Jobs run as. Default ``xidflow-node-ops``."""
+
+    @field_validator("taint_key")
+    @classmethod
+    def _taint_key_kubernetes_accepts(cls, value: str) -> str:
+        """A qualified name: optional DNS-subdomain prefix and '/', then 1-63 name characters."""
+        prefix, slash, name = value.rpartition("/")
+        if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)):
+            raise ValueError(f"prefix {prefix!r} is not a DNS subdomain (lowercase, at most 253 characters)")
+        if not (len(name) <= 63 and _QUALIFIED_NAME.match(name)):
+            raise ValueError(
+                "not a Kubernetes taint key: at most 63 letters, digits, '-', '_' or '.' after an optional "
+                "'prefix/', starting and ending with a letter or digit"
+            )
+        return value
+
+    @field_validator("reboot_job_template", "reset_job_template")
+    @classmethod
+    def _template_file_exists(cls, value: str) -> str:
+        if value and not Path(value).is_file():
+            raise ValueError(f"no such file: {value}")
+        return value
+
+
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")

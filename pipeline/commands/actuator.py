@@ -16,15 +16,6 @@ from pydantic import ValidationError
 from pipeline.logconfig import log_options
 
 
-def describe_validation_error(exc: ValidationError) -> str:
-    """``field: what is wrong`` per error, without the offending input (it may be a token)."""
-    lines = []
-    for error in exc.errors(include_url=False, include_input=False, include_context=False):
-        field = ".".join(str(part) for part in error["loc"]) or "settings"
-        lines.append(f"  {field}: {error['msg']}")
-    return "\n".join(lines)
-
-
 @click.command("actuator")
 @click.option("--dry-run", is_flag=True, default=None, help="Audit every decision as dry-run; mutate nothing.")
 @click.option("--manual-only", is_flag=True, default=None, help="Automatic policies off; only API requests act.")
@@ -52,7 +43,7 @@ def actuator(
     from pipeline.commands.status import resolve_kubeconfig, sentences
     from pipeline.heartbeat import with_liveness
     from pipeline.metrics import serve_metrics
-    from pipeline.settings import KafkaSettings
+    from pipeline.settings import KafkaSettings, describe_validation_error
 
     overrides = {
         k: v
@@ -63,9 +54,7 @@ def actuator(
         settings = ActuatorSettings(**overrides)
         api_settings = ApiSettings()
     except ValidationError as exc:
-        raise click.ClickException(
-            f"invalid settings (XIDFLOW_ACTUATOR_* / XIDFLOW_API_*):\n{describe_validation_error(exc)}"
-        ) from None
+        raise click.ClickException(describe_validation_error(exc)) from None
     except SettingsError as exc:
         # pydantic-settings could not decode a JSON value (e.g. XIDFLOW_API_TOKENS); its message names the field.
         raise click.ClickException(f"invalid settings: {exc}; expected JSON") from None

@@ -43,7 +43,7 @@ def worker(
     from pipeline import copartition
     from pipeline.app import WorkerSettings, create_app, worker_topics
     from pipeline.kafka_admin import ensure_topics
-    from pipeline.settings import ConsumerGroupSettings, TopicNames
+    from pipeline.settings import ConsumerGroupSettings, TopicNames, describe_validation_error
 
     overrides = {
         "app_id": app_id,
@@ -68,7 +68,7 @@ def worker(
         ParseSettings()
         Catalog.configured()  # the instance every stage of this process classifies with (overrides included)
     except ValidationError as exc:
-        raise click.ClickException(f"invalid settings (XIDFLOW_*):\n{exc}") from exc
+        raise click.ClickException(describe_validation_error(exc)) from None
     except CatalogError as exc:
         raise click.ClickException(f"invalid catalog override: {exc}") from exc
     names = worker_topics(settings.app_id, topics)
@@ -91,7 +91,10 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
+    from pipeline import allocator
     from pipeline.metrics import serve_metrics
+
+    allocator.tune()  # before the first burst: large blocks are then given back when freed
 
     serve_metrics(settings.web_port or None)
     xapp = create_app(bootstrap, settings, topics, group=group)

@@ -239,6 +239,18 @@ def shared_worker(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
         worker.stop()
 
 
+def healthz(port: int) -> int:
+    """The status code of the worker's /healthz (200 live, 503 stalled)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as resp:
+            return resp.status
+    except urllib.error.HTTPError as exc:
+        return exc.code
+
+
 def node_name(label: str) -> str:
     return f"n-{label}-{uuid.uuid4().hex[:6]}"
 
@@ -405,3 +417,84 @@ def test_worker_serves_the_contract_metrics(shared_worker: tuple[str, str]) -> N
     assert total("xidflow_incidents_total", action="REBOOT_NODE") > 0
     assert total("xidflow_e2e_latency_seconds_count") > 0
     assert any(n == "xidflow_consumer_lag" for n, _ in samples)
+
+
+async def test_an_oversized_line_is_cut_once_and_detection_goes_on(shared_worker: tuple[str, str]) -> None:
+    """A 600 KB Xid line: its fault is still detected (line cut with a marker), its input is one dead
+    letter, and another node's fault right after it is an incident within seconds."""
+    bootstrap, prefix = shared_worker
+    huge, other = node_name("huge"), node_name("after-huge")
+    line = XID.format(bus="4e", code=79, text="GPU has fallen off the bus. " + "x" * 600_000)
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.kernel(huge, line, T0)
+        sent = time.monotonic()
+        await pipe.kernel(other, XID.format(bus="4e", code=79, text="GPU has fallen off the bus."), T0)
+        await pipe.wait_for(lambda: bool(pipe.incidents(other)), 30, "the other node's incident")
+        took = time.monotonic() - sent
+        await pipe.wait_for(lambda: bool(pipe.incidents(huge)), 30, "the oversized line's incident")
+        await pipe.sentinel(huge, T0 + 1)
+        await pipe.wait_for(
+            lambda: any(d.get("key") == huge for d in pipe.seen["deadletter"]), 30, "the dead letter"
+        )
+        await asyncio.sleep(2)  # a duplicate letter would come right behind the first
+        await pipe.poll()
+        letters = [d for d in pipe.seen["deadletter"] if d.get("key") == huge]
+        [incident] = [i for i in pipe.incidents(huge) if i.get("code") == 79]
+    assert took < 30, took
+    assert [d["code"] for d in letters] == ["truncated"], letters
+    assert letters[0]["payload_truncated"] and len(letters[0]["payload"]) == 65536
+    assert "characters truncated]" in incident["line"] and len(incident["line"]) < 20_000
+    assert healthz(METRICS_PORT) == 200
+
+
+async def test_one_record_yields_a_bounded_number_of_dead_letters(shared_worker: tuple[str, str]) -> None:
+    """Newline-delimited JSON of 5000 bad lines: 10 dead letters (the last one summarises), no more."""
+    bootstrap, prefix = shared_worker
+    node = node_name("amplify")
+    value = b"\n".join(b'{"oops": "NVRM: %d"}' % i for i in range(5000)) + b"\n{bad json"
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.raw("logs_kernel", value, node.encode())
+        await pipe.sentinel(node, T0)
+        await pipe.wait_for(lambda: len([d for d in pipe.seen["deadletter"] if d.get("key") == node]) >= 10, 30)
+        await asyncio.sleep(2)
+        await pipe.poll()
+        letters = [d for d in pipe.seen["deadletter"] if d.get("key") == node]
+    assert len(letters) == 10, len(letters)
+    assert letters[-1]["code"] == "more_problems" and "4992 more problems" in letters[-1]["reason"]
+
+
+async def test_a_held_multiline_start_does_not_hold_the_commit_once_the_input_is_quiet(
+    shared_worker: tuple[str, str],
+) -> None:
+    """An NVRM line that might start a multi-line message holds its partition's commit, but only until
+    the multi-line timeout: with no further input the commit still reaches the end, so a restart
+    replays (and re-sends dead letters for) nothing that was settled."""
+    from aiokafka.admin import AIOKafkaAdminClient
+
+    bootstrap, prefix = shared_worker
+    node = node_name("held")
+    async with Pipeline(bootstrap, prefix) as pipe:
+        await pipe.kernel(node, "NVRM: loading NVIDIA UNIX x86_64 Kernel Module", T0)
+        await pipe.raw("logs_kernel", b'{"msg": "NVRM: broken', node.encode())
+        assert pipe.producer is not None
+        await pipe.producer.flush()
+    topic = TopicNames(prefix=prefix).name("logs_kernel")
+    reader = AIOKafkaConsumer(bootstrap_servers=bootstrap)
+    await reader.start()
+    admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
+    await admin.start()
+    try:
+        from aiokafka import TopicPartition
+
+        ends = await reader.end_offsets([TopicPartition(topic, p) for p in range(PARTITIONS)])
+        deadline = time.monotonic() + 30
+        while True:
+            done = await admin.list_consumer_group_offsets(prefix.rstrip("-") + "-parse")
+            lagging = {tp: end for tp, end in ends.items() if end and (tp not in done or done[tp].offset < end)}
+            if not lagging:
+                break
+            assert time.monotonic() < deadline, f"commits still behind the input: {lagging} vs {done}"
+            await asyncio.sleep(0.5)
+    finally:
+        await reader.stop()
+        await admin.close()

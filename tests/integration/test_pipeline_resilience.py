@@ -20,7 +20,7 @@ from aiokafka.errors import KafkaError
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
-from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, wait_ready
+from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, healthz, wait_ready
 
 pytestmark = pytest.mark.integration
 
@@ -176,3 +176,51 @@ async def test_broker_restart_mid_stream_loses_nothing(private_kafka: Callable[.
             worker.stop()
         ids = ids_by_node(pipe, nodes)
     assert {n: len(v) for n, v in ids.items()} == {n: 1 for n in nodes}
+
+
+async def test_an_output_the_broker_refuses_is_a_dead_letter_not_a_restart_loop(
+    kafka_bootstrap: str, tmp_path: Path
+) -> None:
+    """The fault-event topic takes at most 100 kB and lines are kept up to 256 KiB: the broker refuses
+    the oversized line's event. That event becomes one dead letter; the worker neither restarts nor
+    stops detecting, and /healthz stays green."""
+    from aiokafka.admin import NewTopic
+
+    from pipeline.localinfra.procs import free_port
+
+    tag = uuid.uuid4().hex[:8]
+    prefix, app_id = f"t-refuse-{tag}-", f"t-refuse-{tag}"
+    topics = TopicNames(prefix=prefix)
+    admin = AIOKafkaAdminClient(bootstrap_servers=kafka_bootstrap)
+    await admin.start()
+    try:
+        await admin.create_topics([NewTopic(topics.name("fault_events"), num_partitions=PARTITIONS,
+                                            replication_factor=1, topic_configs={"max.message.bytes": "100000"})])
+    finally:
+        await admin.close()
+    await ensure_topics(kafka_bootstrap, worker_topics(app_id, topics), PARTITIONS)
+    port = free_port()
+    env = {"XIDFLOW_PARSE_MAX_LINE_CHARS": "262144", "XIDFLOW_PARSE_MAX_OUTPUT_BYTES": str(1 << 20),
+           "XIDFLOW_METRICS_PORT": str(port)}
+    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path, extra_env=env).start()
+    huge, other = f"n-huge-{tag}", f"n-other-{tag}"
+    try:
+        async with Pipeline(kafka_bootstrap, prefix) as pipe:
+            await wait_ready(pipe, worker)
+            await pipe.kernel(huge, XID.format(bus="4e", code=79, text="fallen " + "y" * 600_000), T0)
+            await pipe.kernel(other, X79, T0)
+            await pipe.wait_for(lambda: bool(pipe.incidents(other)), 30, "the other node's incident")
+            await pipe.wait_for(
+                lambda: len([d for d in pipe.seen["deadletter"] if d.get("key") == huge]) >= 2, 30, "dead letters"
+            )
+            await pipe.kernel(other, X95, T0 + 1)
+            await pipe.wait_for(lambda: any(i.get("code") == 95 for i in pipe.incidents(other)), 30, "second fault")
+            await asyncio.sleep(2)
+            await pipe.poll()
+            letters = [d for d in pipe.seen["deadletter"] if d.get("key") == huge]
+        assert sorted(d["code"] for d in letters) == ["output_failed", "truncated"], letters
+        assert worker.alive(), worker.log_tail()
+        assert "parse stage failed" not in worker.log_path.read_text(errors="replace")
+        assert healthz(port) == 200
+    finally:
+        worker.stop()

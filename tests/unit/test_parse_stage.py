@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from pipeline.detect import prefilter
 from pipeline.parse_stage import ParseCore, ParseSettings
 from pipeline.settings import TopicNames
-from schemas.records import FaultKind, HealthCheckResult
+from schemas.records import DeadLetterCode, FaultKind, HealthCheckResult
 
 TOPICS = TopicNames()
 KERNEL = TOPICS.name("logs_kernel")
@@ -148,3 +148,56 @@ def test_gate_keeps_every_payload_the_prefilter_could_pass(lines: list[str]) -> 
             if "\\u" in line:
                 assert i in wanted
         assert wanted <= {i for i, line in enumerate(lines) if prefilter(line) or "\\u" in line or not line}
+
+
+# -- what one record may become (issue 16) ---------------------------------------------------------
+
+
+def test_an_oversized_fault_line_is_cut_with_a_marker_and_dead_lettered_once() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_line_chars=1000))
+    result = core.process([Rec(kmsg(XID79 + " " + "x" * 600_000), offset=7)])
+    [event] = result.events
+    assert event.code == 79 and event.line.endswith("characters truncated]") and len(event.line) < 1100
+    assert len(event.to_bytes()) < 10_000
+    [letter] = result.dead_letters
+    assert letter.code == DeadLetterCode.TRUNCATED and letter.offset == 7 and letter.payload_truncated
+    assert len(letter.to_bytes()) < 200_000
+
+
+def test_one_record_yields_at_most_the_configured_dead_letters() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_dead_letters_per_record=5))
+    value = b"\n".join(b'{"no": "NVRM: line %d"}' % i for i in range(1000)) + b"\n{broken"
+    result = core.process([Rec(value)])
+    assert len(result.dead_letters) == 5
+    summary = result.dead_letters[-1]
+    assert summary.code == DeadLetterCode.MORE_PROBLEMS
+    assert "997 more problems" in summary.reason and "invalid_json" in summary.reason
+
+
+def test_every_adapter_dead_letter_has_a_code_from_the_closed_set() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=1))
+    values = [b"", None, b'{"x": 1', b"[1, 2, 3]", b'{"streams": 5}', b'{"msg": 5, "priority": 1}',
+              b'{"a":' * 2000 + b"1" + b"}" * 2000, b"\xff\xfe NVRM: garbage"]
+    result = core.process([Rec(v, key=None, offset=i) for i, v in enumerate(values)])
+    assert len(result.dead_letters) == len(values)
+    assert all(d.code != DeadLetterCode.OTHER for d in result.dead_letters), [
+        (d.code, d.reason) for d in result.dead_letters
+    ]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.binary(max_size=3000), st.integers(0, 30))
+def test_no_input_yields_unbounded_outputs(noise: bytes, depth: int) -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=1, max_line_chars=512, max_dead_letters_per_record=3))
+    value = b"[" * depth + b"NVRM: " + noise + XID79.encode() + noise * 20
+    result = core.process([Rec(value, key=None), Rec(value)])
+    assert len(result.dead_letters) <= 6
+    assert all(len(e.to_bytes()) < 8 * 1024 for e in result.events)
+
+
+def test_detector_state_is_kept_for_at_most_max_nodes() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_nodes=50, multiline_timeout_s=0.001))
+    records = [Rec(kmsg(XID79, node=f"made-up-{i}"), offset=i) for i in range(500)]
+    result = core.process(records)
+    assert len(result.events) == 500
+    assert len(core._nodes) <= 51 and len(core.detector._nodes) <= 51  # type: ignore[attr-defined]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import Field, SecretStr
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -24,7 +24,7 @@ class ApiSettings(BaseSettings):
         default=None,
         description="File of tokens, one 'name:token' (or bare token) a line, '#' comments, UTF-8; re-read "
         "when it changes, so a mounted Secret can be rotated without a restart. While it is missing every "
-        "request is answered 401",
+        "request is answered 401. Its directory must exist (a typo is refused at start)",
     )
     manual_only: bool = Field(
         default=False,
@@ -60,3 +60,12 @@ class ApiSettings(BaseSettings):
     max_body_bytes: int = Field(
         default=65536, ge=1024, le=16 * 1024 * 1024, description="Largest request body accepted"
     )
+
+    @field_validator("token_file")
+    @classmethod
+    def _token_file_place(cls, value: Path | None) -> Path | None:
+        # A file not there yet is an optional Secret not created yet (served as 401 and read when it
+        # appears, as the chart documents); a directory that does not exist is a mistake in the setting.
+        if value is not None and (value.is_dir() or not value.parent.is_dir()):
+            raise ValueError(f"{value}: not a file in an existing directory")
+        return value
