@@ -1,5 +1,8 @@
 """Liveness answered by the event loop itself: ``GET /livez`` on ``XIDFLOW_HEALTH_PORT``.
 
+It also fails while a stage registered in :data:`pipeline.liveness.LIVENESS` has stopped making progress
+(the parse stage, the aggregation agent), the same answer as ``/healthz`` on the metrics port.
+
 ``/metrics`` is served from a thread (prometheus_client), so it keeps answering while the asyncio
 loop that does the work is stuck. This endpoint is an asyncio server on the work loop: a blocked
 loop cannot answer, and a ticker that must run every second also turns a loop that was recently
@@ -18,6 +21,8 @@ from typing import Any, TypeVar
 
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from pipeline.liveness import LIVENESS
 
 log = logging.getLogger("xidflow.heartbeat")
 T = TypeVar("T")
@@ -59,6 +64,8 @@ class Heartbeat:
                 status, body = b"404 Not Found", b"not found\n"
             elif self.lag() > self.max_lag_s:
                 status, body = b"503 Service Unavailable", f"event loop lag {self.lag():.1f}s\n".encode()
+            elif not (progress := LIVENESS.check())[0]:  # a loop that runs but a stage that stopped progressing
+                status, body = b"503 Service Unavailable", ("; ".join(progress[1]) + "\n").encode()
             else:
                 status, body = b"200 OK", b"ok\n"
             writer.write(b"HTTP/1.1 " + status + b"\r\nContent-Type: text/plain\r\nConnection: close\r\n"
