@@ -546,6 +546,7 @@ async def test_without_a_token_file_the_api_serves_401_to_everyone(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     token_file = tmp_path / "api" / "tokens"
+    token_file.parent.mkdir(exist_ok=True)  # an absent optional Secret is still mounted, as an empty directory
     prefix = unique("notok") + "."
     topics = TopicNames(prefix=prefix)
     for name in ("incidents", "remediation_requests", "remediation_audit", "deadletter"):
@@ -572,7 +573,7 @@ async def test_without_a_token_file_the_api_serves_401_to_everyone(
             headers = {"Authorization": f"Bearer {TOKEN}"}
             async with session.post(url + RESCUE_ACTIONS_PATH, data=b"{}", headers=headers) as resp:
                 assert resp.status == 401
-            token_file.parent.mkdir()
+            token_file.parent.mkdir(exist_ok=True)
             token_file.write_text(f"ops:{TOKEN}\n")  # the Secret appears: served without a restart
             async with session.post(url + RESCUE_ACTIONS_PATH, data=b"{}", headers=headers) as resp:
                 assert resp.status == 400
