@@ -10,7 +10,10 @@ moment of the kill. No timing is asserted: the waits are generous bounds, not me
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import subprocess
+import sys
 import time
 import uuid
 from pathlib import Path
@@ -20,13 +23,27 @@ import pytest
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
-from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, kmsg, wait_ready
+from tests.integration.test_pipeline import REPO, T0, XID, Pipeline, Worker, kmsg, wait_ready
 
 pytestmark = pytest.mark.integration
 
 X79 = XID.format(bus="4e", code=79, text="GPU has fallen off the bus.")
-NODES_PER_ROUND = 60
+PARTITIONS = 8  # as deployed: most partitions of a fresh topic have no committed offset when the burst comes
+NODES_PER_ROUND = 100
 KILL_AFTER_S = (0.05, 0.5, 2.0)  # into each round's burst: before, during and after most of it is processed
+
+
+class Worker8(Worker):
+    """The test worker with this module's partition count (the node-state table follows the topics)."""
+
+    def start(self) -> Worker8:
+        log = self.log_path.open("ab")
+        args = ["worker", "--bootstrap", self.bootstrap, "--app-id", self.app_id, "--partitions", str(PARTITIONS),
+                "--session-timeout", "6", "--loglevel", os.environ.get("XIDFLOW_TEST_WORKER_LOGLEVEL", "info")]
+        self.proc = subprocess.Popen([sys.executable, "-m", "pipeline.cli", *args], cwd=REPO, env=self.env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        return self
 
 
 def incident_nodes(pipe: Pipeline) -> set[str]:
@@ -51,7 +68,7 @@ async def test_worker_stopped_mid_burst_loses_no_incident(
     await ensure_topics(kafka_bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), PARTITIONS)
     sent: list[str] = []
     async with Pipeline(kafka_bootstrap, prefix) as pipe:
-        worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path, extra_env=env).start()
+        worker = Worker8(kafka_bootstrap, app_id, prefix, tmp_path, extra_env=env).start()
         try:
             await wait_ready(pipe, worker, within_s=180)
             for r, delay in enumerate(KILL_AFTER_S):
@@ -63,7 +80,7 @@ async def test_worker_stopped_mid_burst_loses_no_incident(
                 worker.proc.send_signal(sig)
                 await asyncio.to_thread(worker.proc.wait, 60)
                 await sending
-                worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path, extra_env=env).start()
+                worker = Worker8(kafka_bootstrap, app_id, prefix, tmp_path, extra_env=env).start()
             deadline = time.monotonic() + 300
             while not set(sent) <= incident_nodes(pipe):
                 if time.monotonic() > deadline:
