@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
+from pipeline.fetch_watchdog import GuardedConsumer
 from schemas.records import DeadLetter, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
@@ -43,14 +44,19 @@ def register(xapp: XidflowApp) -> None:
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
         async for events in stream.take_events(settings.aggregate_batch, within=settings.aggregate_within_s):
+            consumer = app.consumer
+            if isinstance(consumer, GuardedConsumer):
+                # After an unfinished batch its partitions wait for their re-read: nothing after
+                # an unfinished record is applied before it.
+                admitted = {id(m) for m in consumer.admit([event.message for event in events])}
+                events = [event for event in events if id(event.message) in admitted]
             try:
                 await _apply_batch(xapp, aggregator, table, ticks_name, events)
             except BaseException:
                 # take_events acknowledges the batch even now (when its generator is closed): the
                 # consumer must neither commit past these records nor forget them.
-                unprocessed = getattr(app.consumer, "unprocessed", None)
-                if unprocessed is not None:
-                    unprocessed([event.message for event in events])
+                if isinstance(consumer, GuardedConsumer):
+                    consumer.unprocessed([event.message for event in events])
                 raise
 
     @app.timer(interval=settings.tick_interval_s)

@@ -107,42 +107,69 @@ class GuardedConsumer(faust_aiokafka.Consumer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._log_start: dict[Any, int] = {}
-        self.redo: set[Any] = set()
+        self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
+        self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
 
     def unprocessed(self, messages: Iterable[Any]) -> None:
         """``messages`` were delivered but their effects are not durable: read them again.
 
         Each is marked acknowledged without counting as such, so no later ``ack`` (Faust's
         ``take_events`` acknowledges a batch even when the agent failed on it) lets a commit pass
-        it; the watchdog re-reads their partitions from the committed offset at its next check.
+        it. Its partition is fenced at its offset: ``admit`` turns away the partition's later
+        records until the re-read (from the committed offset, by the watchdog) reaches the fence,
+        so nothing after it is applied before it.
         """
         for message in messages:
             message.acked = True
             self._unacked_messages.discard(message)
-            if message.tp.topic in self.source_topics:
-                self.redo.add(message.tp)
+            tp = message.tp
+            if tp.topic in self.source_topics:
+                self.redo[tp] = min(self.redo.get(tp, message.offset), message.offset)
+
+    def admit(self, messages: Iterable[Any]) -> list[Any]:
+        """The messages an agent may apply now, in order; those after a fence are handed back."""
+        out: list[Any] = []
+        turned_away: list[Any] = []
+        for message in messages:
+            fence = self.redo.get(message.tp)
+            if fence is not None and message.offset > fence:
+                turned_away.append(message)
+                continue
+            if fence is not None:
+                del self.redo[message.tp]  # the re-read reached the fence: the partition flows again
+                self.redone.pop(message.tp, None)
+            out.append(message)
+        if turned_away:
+            self.unprocessed(turned_away)
+        return out
 
     def resume_offset(self, tp: Any) -> int | None:
-        """The first offset of ``tp`` not known to be processed: committed, else the log start."""
+        """The first offset of ``tp`` not known to be processed: committed, else the log start.
+
+        A committed offset below the log start (records gone by retention) resumes at the log start.
+        """
         committed = self._committed_offset.get(tp)
-        return committed if committed is not None else self._log_start.get(tp)
+        log_start = self._log_start.get(tp)
+        if committed is None:
+            return log_start
+        return committed if log_start is None else max(committed, log_start)
+
+    async def refresh_log_start(self, tp: Any) -> int:
+        start = (await self.earliest_offsets(tp)).get(tp) or 0
+        self._log_start[tp] = start
+        return start
 
     async def perform_seek(self) -> None:
         await super().perform_seek()
-        # Faust records a committed 0 as None; aiokafka seeks neither a missing nor a 0 commit.
-        uncommitted = [
-            tp
-            for tp in self.assignment()
-            if tp.topic in self.source_topics and self._committed_offset.get(tp) is None
-        ]
-        self._log_start = {tp: o for tp, o in self._log_start.items() if tp in self.assignment()}
-        if not uncommitted:
-            return
-        starts = await self.earliest_offsets(*uncommitted)
-        for tp in uncommitted:
-            start = starts.get(tp) or 0
-            self._log_start[tp] = start
-            await self.seek(tp, start)
+        self.redone.clear()  # Faust just sought every partition back to its committed offset
+        assigned = [tp for tp in self.assignment() if tp.topic in self.source_topics]
+        self._log_start = dict(await self.earliest_offsets(*assigned)) if assigned else {}
+        # Faust records a committed 0 as None; aiokafka seeks neither a missing nor a 0 commit, and
+        # Faust's seek leaves a commit below the log start to the fetcher's reset.
+        for tp in assigned:
+            resume = self.resume_offset(tp)
+            if resume is not None and resume != self._committed_offset.get(tp):
+                await self.seek(tp, resume)
 
     def _new_offset(self, tp: Any) -> int | None:
         if tp.topic in self.source_topics:
@@ -181,7 +208,10 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
             return
         tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
         detector.forget(set(tps))
-        consumer.redo &= set(tps)  # a partition that moved is read from its committed offset anyway
+        for tp in set(consumer.redo) - set(tps):
+            del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
+        for tp in set(consumer.redone) - set(consumer.redo):
+            del consumer.redone[tp]
         for tp in tps:
             if tp in paused or tp in consumer._paused_partitions:
                 continue
@@ -192,11 +222,9 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
             start = consumer.resume_offset(tp)
             if start is None:
                 continue  # not positioned after its assignment yet
-            if tp in consumer.redo:
-                consumer.redo.discard(tp)
-                log.warning("%s[%d]: records the agent did not finish; re-reading from %d",
-                            tp.topic, tp.partition, start)
-                await consumer.seek(tp, start)
+            fence = consumer.redo.get(tp)
+            if fence is not None:
+                await _reread_fenced(consumer, tp, fence, start)
                 continue
             acked = consumer._acked.get(tp)
             lowest = min(acked) if acked else None
@@ -207,6 +235,8 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
             target = detector.observe(tp, position, delivered, start, head_gap=head_gap, lowest_acked=lowest)
             if target is None:
                 continue
+            await consumer.refresh_log_start(tp)
+            target = consumer.resume_offset(tp) or target
             log.warning(
                 "%s[%d]: fetched up to %s, read offset %s, lowest acknowledged %s: re-reading from %d",
                 tp.topic, tp.partition, position, delivered, lowest, target,
@@ -214,3 +244,21 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
             await consumer.seek(tp, target)
 
     return detector
+
+
+async def _reread_fenced(consumer: GuardedConsumer, tp: Any, fence: int, start: int) -> None:
+    """Seek a fenced partition back to its committed offset; again if the fence is not reached soon."""
+    left = consumer.redone.get(tp, 0)
+    if left > 0:
+        consumer.redone[tp] = left - 1
+        return
+    target = max(start, await consumer.refresh_log_start(tp))
+    if target > fence:  # the unfinished records are gone from the log: nothing left to wait for
+        log.warning("%s[%d]: unfinished records from %d are no longer in the log", tp.topic, tp.partition, fence)
+        del consumer.redo[tp]
+        consumer.redone.pop(tp, None)
+        return
+    log.warning("%s[%d]: records from %d not finished by the agent; re-reading from %d",
+                tp.topic, tp.partition, fence, target)
+    consumer.redone[tp] = 3
+    await consumer.seek(tp, target)

@@ -1,6 +1,8 @@
 """The fetch watchdog re-reads stalled partitions from the first record not known processed, and the
 commit guard never lets an offset pass a record the agent did not acknowledge."""
 
+from faust.types import TP
+
 from pipeline.app import create_app
 from pipeline.fetch_watchdog import GuardedConsumer, StallDetector, unacked_below
 
@@ -69,3 +71,35 @@ def test_worker_app_uses_the_guarded_consumer() -> None:
     assert issubclass(consumer_class, GuardedConsumer)
     assert xapp.fault_events.get_topic_name() in consumer_class.source_topics
     assert xapp.ticks.get_topic_name() in consumer_class.source_topics
+
+
+class _Msg:
+    def __init__(self, tp: TP, offset: int) -> None:
+        self.tp, self.offset, self.acked = tp, offset, False
+
+
+def _guarded() -> GuardedConsumer:
+    consumer = object.__new__(type("G", (GuardedConsumer,), {"source_topics": frozenset({"fault"})}))
+    consumer.redo, consumer.redone, consumer._unacked_messages = {}, {}, set()
+    return consumer
+
+
+def test_an_unfinished_batch_is_never_counted_and_fences_its_partition_until_re_read() -> None:
+    consumer = _guarded()
+    p0, p1 = TP("fault", 0), TP("fault", 1)
+    batch = [_Msg(p0, 10), _Msg(p0, 11), _Msg(p1, 4)]
+    consumer.unprocessed(batch)
+    assert all(m.acked for m in batch)  # a later ack (take_events closing) is a no-op: never committed
+    assert consumer.redo == {p0: 10, p1: 4}
+    later = [_Msg(p0, 12), _Msg(p1, 5)]
+    assert consumer.admit(later) == []  # queued after the failure: turned away, re-read later
+    assert consumer.redo == {p0: 10, p1: 4}
+    reread = [_Msg(p0, 8), _Msg(p0, 9), _Msg(p0, 10), _Msg(p0, 11), _Msg(p0, 12)]
+    assert consumer.admit(reread) == reread  # the re-read from the committed offset flows again
+    assert consumer.redo == {p1: 4}
+
+
+def test_other_topics_are_not_fenced() -> None:
+    consumer = _guarded()
+    consumer.unprocessed([_Msg(TP("changelog", 0), 3)])
+    assert consumer.redo == {}
