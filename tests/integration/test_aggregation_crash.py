@@ -30,7 +30,9 @@ pytestmark = pytest.mark.integration
 X79 = XID.format(bus="4e", code=79, text="GPU has fallen off the bus.")
 PARTITIONS = 8  # as deployed: most partitions of a fresh topic have no committed offset when the burst comes
 NODES_PER_ROUND = 100
-KILL_AFTER_S = (0.05, 0.5, 2.0)  # into each round's burst: before, during and after most of it is processed
+# Into each round's burst (the worker was restarted just before it): during its start-up, before,
+# during and after most of the burst is processed.
+KILL_AFTER_S = (0.05, 0.3, 1.0, 2.5)
 
 
 class Worker8(Worker):
