@@ -190,7 +190,7 @@ def guard(app: Any, source_topics: set[str]) -> None:
     app.transport.Consumer = type("GuardedConsumer", (GuardedConsumer,), {"source_topics": frozenset(source_topics)})
 
 
-def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> StallDetector:
+def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> StallDetector:
     """Guard ``app``'s consumer and register the watchdog as a Faust timer for the source topics."""
     guard(app, source_topics)
     detector = StallDetector()
