@@ -3,8 +3,10 @@
 Thin: the rules are ``pipeline.aggregation.Aggregator``. The agent takes events in batches
 (``take_events``), applies them node by node in offset order, sends the incidents, waits until the
 broker has them, and only then writes each touched node's state to the table (one changelog record
-per node per batch, not one per event). Faust flushes the producer before it commits the batch's
-offsets. A crash therefore either replays events whose state was not written (the same incidents,
+per node per batch, not one per event), and waits until the changelog has them before the batch is
+acknowledged (Faust does not flush before it commits). A batch the agent does not finish is handed
+back to the consumer (``pipeline.fetch_watchdog.GuardedConsumer.unprocessed``): never committed
+past, read again. A crash therefore either replays events whose state was not written (the same incidents,
 same ids and revisions, are sent again: at-least-once) or events whose state was written (the
 state's last applied position makes the replay a no-op). No incident is lost behind a state that
 says it was sent.
@@ -15,10 +17,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
+from pipeline.fetch_watchdog import GuardedConsumer
 from schemas.records import DeadLetter, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
@@ -40,48 +44,20 @@ def register(xapp: XidflowApp) -> None:
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
         async for events in stream.take_events(settings.aggregate_batch, within=settings.aggregate_within_s):
-            by_node: dict[bytes, list[Any]] = {}
-            for event in events:
-                key = event.message.key
-                if not key:
-                    await _dead(xapp, event, "fault event without a node key")
-                    continue
-                by_node.setdefault(key, []).append(event)
-            now = time.time()
-            new_states: list[tuple[bytes, bytes, int]] = []
-            deliveries = []
-            for key, node_events in by_node.items():
-                stored: bytes | None = table.get(key)
-                if stored is None:
-                    state = aggregator.new_state(key.decode("utf-8", "replace"))
-                else:
-                    state = NodeState.from_bytes(stored)
-                outputs = []
-                for event in node_events:
-                    msg = event.message
-                    try:
-                        if msg.topic == ticks_name:
-                            state, out = aggregator.tick(state, now)
-                        else:
-                            fault = FaultEvent.from_bytes(msg.value)
-                            state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
-                    except Exception as exc:  # noqa: BLE001 - the worker never dies on input
-                        log.warning("fault event at %s[%d]@%d rejected: %s", msg.topic, msg.partition, msg.offset, exc)
-                        await _dead(xapp, event, f"invalid fault event: {str(exc).splitlines()[0]}")
-                        continue
-                    outputs += out
-                new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
-                for record in outputs:
-                    # force: bypass Faust "attachments" (held until the source offset commits; lost on a crash)
-                    deliveries.append(await xapp.incidents.send(key=key, value=record.to_bytes(), force=True))
-                    _observe(record, now)
-            # The state is written only after the broker has the incidents: a crash in between
-            # replays the events and sends the same incidents again (same ids), never loses one
-            # behind a state that says it was sent.
-            if deliveries:
-                await asyncio.gather(*deliveries)
-            for key, value, partition in new_states:
-                table.put(key, value, partition)
+            consumer = app.consumer
+            if isinstance(consumer, GuardedConsumer):
+                # After an unfinished batch its partitions wait for their re-read: nothing after
+                # an unfinished record is applied before it.
+                admitted = {id(m) for m in consumer.admit([event.message for event in events])}
+                events = [event for event in events if id(event.message) in admitted]
+            try:
+                await _apply_batch(xapp, aggregator, table, ticks_name, events)
+            except BaseException:
+                # take_events acknowledges the batch even now (when its generator is closed): the
+                # consumer must neither commit past these records nor forget them.
+                if isinstance(consumer, GuardedConsumer):
+                    consumer.unprocessed([event.message for event in events])
+                raise
 
     @app.timer(interval=settings.tick_interval_s)
     async def request_ticks() -> None:
@@ -94,6 +70,57 @@ def register(xapp: XidflowApp) -> None:
                 await xapp.ticks.send(key=key, value=b"tick", force=True)
 
 
+async def _apply_batch(
+    xapp: XidflowApp, aggregator: Aggregator, table: Any, ticks_name: str, events: list[Any]
+) -> None:
+    """Apply one batch: incidents sent and acknowledged by the broker, then the node states written."""
+    by_node: dict[bytes, list[Any]] = {}
+    deliveries = []
+    for event in events:
+        key = event.message.key
+        if not key:
+            deliveries.append(await _dead(xapp, event, "fault event without a node key"))
+            continue
+        by_node.setdefault(key, []).append(event)
+    now = time.time()
+    new_states: list[tuple[bytes, bytes, int]] = []
+    for key, node_events in by_node.items():
+        stored: bytes | None = table.get(key)
+        if stored is None:
+            state = aggregator.new_state(key.decode("utf-8", "replace"))
+        else:
+            state = NodeState.from_bytes(stored)
+        outputs = []
+        for event in node_events:
+            msg = event.message
+            try:
+                if msg.topic == ticks_name:
+                    state, out = aggregator.tick(state, now)
+                else:
+                    fault = FaultEvent.from_bytes(msg.value)
+                    state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
+            except Exception as exc:  # noqa: BLE001 - the worker never dies on input
+                log.warning("fault event at %s[%d]@%d rejected: %s", msg.topic, msg.partition, msg.offset, exc)
+                deliveries.append(await _dead(xapp, event, f"invalid fault event: {str(exc).splitlines()[0]}"))
+                continue
+            outputs += out
+        new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
+        for record in outputs:
+            # force: bypass Faust "attachments" (held until the source offset commits; lost on a crash)
+            deliveries.append(await xapp.incidents.send(key=key, value=record.to_bytes(), force=True))
+            _observe(record, now)
+    # The state is written only after the broker has the incidents (and dead letters): a crash in
+    # between replays the events and sends the same incidents again (same ids), never loses one
+    # behind a state that says it was sent. The batch is acknowledged (its offsets may be
+    # committed) only after the state is on the changelog too: a commit never outruns the state.
+    if deliveries:
+        await asyncio.gather(*deliveries)
+    for key, value, partition in new_states:
+        table.put(key, value, partition)
+    if new_states:
+        await xapp.app.producer.flush()
+
+
 def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
     if isinstance(record, NodeRecovered):
         metrics.RECOVERIES.labels(record.reason).inc()
@@ -104,12 +131,13 @@ def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
         metrics.E2E_LATENCY.observe(max(0.0, now - record.source_ts.timestamp()))
 
 
-async def _dead(xapp: XidflowApp, event: Any, reason: str) -> None:
+async def _dead(xapp: XidflowApp, event: Any, reason: str) -> Awaitable[Any]:
+    """Send the event's dead letter; returns its delivery (to await before the offset may commit)."""
     msg = event.message
     key = msg.key.decode("utf-8", "replace") if msg.key else None
     letter = DeadLetter.of(
         STAGE, reason, msg.value, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
     )
     log.warning("dead letter from %s: %s", msg.topic, reason)
-    await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
+    return await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
 

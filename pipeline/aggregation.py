@@ -204,6 +204,15 @@ class NodeState(BaseModel):
     position: tuple[int, int] | None = Field(
         default=None, description="(partition, offset) of the last applied event, to skip redeliveries"
     )
+    recent_offsets: list[int] = Field(
+        default_factory=list,
+        description="Offsets (in the partition of ``position``) of the events in ``recent_ids``, same order",
+    )
+    forgotten_offset: int | None = Field(
+        default=None,
+        description="Highest offset of an applied event no longer in ``recent_ids``: an event above it that "
+        "is not among them was never applied, even if it comes after later ones (re-read after a drop)",
+    )
 
     def to_bytes(self) -> bytes:
         return orjson.dumps(self.model_dump(mode="json"))
@@ -253,6 +262,49 @@ def group_key(event: FaultEvent, catalog: Catalog | None = None) -> str:
     return event_signature(event)
 
 
+def _replayed(state: NodeState, position: tuple[int, int] | None) -> bool:
+    """The event at ``position`` (not among the recent ids) was applied before: a redelivery.
+
+    At or before the last applied position of the same partition, it was applied unless it lies
+    above ``forgotten_offset`` (every applied event above that is among the recent ids): such an
+    event was fetched after later ones (a record the consumer dropped and read again) and is new.
+    """
+    if position is None or state.position is None or position[0] != state.position[0]:
+        return False
+    if position[1] > state.position[1]:
+        return False
+    if len(state.recent_offsets) != len(state.recent_ids):
+        return True  # window of offsets unknown (state from an older version): as before
+    if position[1] == state.position[1] or position[1] in state.recent_offsets:
+        return True  # that very record was applied
+    return state.forgotten_offset is not None and position[1] <= state.forgotten_offset
+
+
+def _remember(state: NodeState, event_id: str, position: tuple[int, int] | None, keep: int) -> None:
+    """Record an applied event: its id, its offset, the last applied position."""
+    if position is not None:
+        if state.position is not None and position[0] != state.position[0]:
+            # The node moved partition: earlier offsets say nothing about this one.
+            state.recent_offsets, state.forgotten_offset = [], None
+            state.recent_ids = []
+        if state.position is None or position[0] != state.position[0] or position[1] > state.position[1]:
+            state.position = position
+    if len(state.recent_offsets) != len(state.recent_ids):
+        # Older state without offsets: everything remembered counts as at or before the last position.
+        last = state.position[1] if state.position is not None else -1
+        state.recent_offsets = [last] * len(state.recent_ids)
+        state.forgotten_offset = last if state.position is not None else None
+    state.recent_ids.append(event_id)
+    state.recent_offsets.append(position[1] if position is not None else -1)
+    excess = len(state.recent_ids) - keep
+    if excess > 0:
+        evicted = state.recent_offsets[:excess]
+        del state.recent_ids[:excess]
+        del state.recent_offsets[:excess]
+        previous = [state.forgotten_offset] if state.forgotten_offset is not None else []
+        state.forgotten_offset = max([*evicted, *previous])
+
+
 class Aggregator:
     """The aggregation rules, configured by ``AggregationSettings`` and the catalog. Stateless itself.
 
@@ -292,16 +344,11 @@ class Aggregator:
         ``position`` is the event's (partition, offset) on the fault-event topic: an event at or before
         the last applied position of the same partition is a redelivery and changes nothing.
         """
-        if position is not None and state.position is not None:
-            if position[0] == state.position[0] and position[1] <= state.position[1]:
-                return state, []
-        if position is not None:
-            state.position = position
         if event.id in state.recent_ids:
             return state, []
-        state.recent_ids.append(event.id)
-        if len(state.recent_ids) > self.settings.recent_ids:
-            del state.recent_ids[: len(state.recent_ids) - self.settings.recent_ids]
+        if _replayed(state, position):
+            return state, []
+        _remember(state, event.id, position, self.settings.recent_ids)
 
         event_ts = _ts(event.ts)
         if state.watermark is None or event_ts > state.watermark:

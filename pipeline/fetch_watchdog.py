@@ -1,24 +1,52 @@
-"""Re-reads source records that Faust fetched but never delivered to an agent.
+"""No source record of the aggregation is skipped: none is committed past, none stays undelivered.
 
-Seen in the two-workers-one-killed test (faust-streaming 0.15): around a rebalance, the consumer
-fetches records of the newly assigned partitions while the flow is suspended, drops them, and the
-seek to committed offsets that should re-read them does nothing for a partition that has no
-committed offset yet (and sometimes comes before the drop). aiokafka's position is then past
-records no agent ever saw: those faults would be lost until the next rebalance.
+Faust (faust-streaming 0.15) can lose a record between the fetch and the agent without an error:
 
-The watchdog compares, for every assigned source partition, the consumer's fetch position with
-the last offset Faust delivered. A partition whose position stays ahead of its delivered offset
-across two checks, with the flow running and nothing paused, is sought back to the first
-undelivered record. Re-delivery is safe: the aggregation ignores positions it already applied.
+- Around a rebalance the consumer drops records it fetched or queued while the flow was suspended,
+  and relies on "seek to committed offsets" to read them again. aiokafka's ``seek_to_committed``
+  does nothing for a partition whose committed offset is missing or 0, so the consumer goes on
+  from its fetch position, past records no agent ever saw.
+- Faust commits the end of the first run of consecutive acknowledged offsets. It checks that the
+  run starts at the committed offset only when one is known and non-zero, and then with an
+  off-by-one (``min(acked) - committed > 1``): one record the agent never acknowledged, or all of
+  them on a partition without a commit, are committed past, and a restart never reads them again.
+- A record whose delivery was cut by the flow suspension is counted as read.
+
+``GuardedConsumer`` closes the first two at the source: after every (re)assignment a source
+partition without a committed offset is sought to its log start (what ``auto_offset_reset=earliest``
+means), and an offset is committed only when every offset from the committed one (or that log start)
+up to it was acknowledged by the agent (or is a known hole in the log). The watchdog timer heals what
+is left: a partition whose fetch position stays ahead of delivery, or whose acknowledged offsets
+start above its committed one, across two checks, is re-read from its committed offset (or log
+start). Re-reading only ever repeats records: the aggregation makes a repeated record a no-op, or
+sends the same incident again (at-least-once), never loses one.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
 log = logging.getLogger("xidflow.fetch_watchdog")
+
+
+def unacked_below(resume: int, lowest_acked: int, holes: Iterable[tuple[int, int]] = ()) -> bool:
+    """True when some offset in ``[resume, lowest_acked)`` is neither acknowledged nor a known hole.
+
+    ``holes`` are ``[begin, end)`` offset ranges the log does not hold (compaction, markers).
+    """
+    nxt = resume
+    for begin, end in sorted(holes):
+        if nxt >= lowest_acked:
+            break
+        if begin > nxt:
+            return True
+        nxt = max(nxt, end)
+    return nxt < lowest_acked
 
 
 @dataclass
@@ -26,24 +54,39 @@ class StallDetector:
     """Pure part: decides which partitions are stalled from successive observations."""
 
     checks_before_reseek: int = 2
-    _suspect: dict[Any, tuple[int | None, int]] = field(default_factory=dict)
+    _suspect: dict[Any, tuple[Any, int]] = field(default_factory=dict)
 
-    def observe(self, tp: Any, position: int | None, delivered: int | None, start: int) -> int | None:
-        """One observation; returns the offset to seek to when ``tp`` is stalled, else None.
+    def observe(
+        self,
+        tp: Any,
+        position: int | None,
+        delivered: int | None,
+        start: int,
+        head_gap: bool = False,
+        lowest_acked: int | None = None,
+    ) -> int | None:
+        """One observation; returns the offset to re-read from when ``tp`` is stalled, else None.
 
-        ``delivered`` is the last offset handed to an agent (None: nothing yet); ``start`` is where
-        reading must resume when nothing was delivered (committed offset, else the log start).
+        ``delivered`` is Faust's read offset (None: nothing yet); ``start`` is the first record not
+        known to be processed: the committed offset, else the log start. ``head_gap`` says the
+        acknowledged offsets (lowest ``lowest_acked``) start above ``start`` with a record between
+        that was never acknowledged. The answer is always ``start``: Faust's read offset is the last
+        delivered record after a delivery but the next one to read after a seek, so anything after
+        ``start`` could skip a record that was never delivered.
         """
         next_needed = delivered + 1 if delivered is not None else start
-        if position is None or position <= next_needed:
+        fetched_ahead = position is not None and position > next_needed
+        if not fetched_ahead and not head_gap:
             self._suspect.pop(tp, None)
             return None
+        # Still the same hole at the head, or still the same undelivered fetch: stuck, not in flight.
+        signature = ("head", lowest_acked, start) if head_gap else ("fetch", delivered, start)
         seen, count = self._suspect.get(tp, (None, 0))
-        count = count + 1 if seen == delivered else 1
-        self._suspect[tp] = (delivered, count)
+        count = count + 1 if seen == signature else 1
+        self._suspect[tp] = (signature, count)
         if count >= self.checks_before_reseek:
             self._suspect.pop(tp, None)
-            return next_needed
+            return start
         return None
 
     def forget(self, keep: set[Any]) -> None:
@@ -52,14 +95,110 @@ class StallDetector:
                 del self._suspect[tp]
 
 
-def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> StallDetector:
-    """Register the watchdog as a Faust timer on ``app`` for the given source topics."""
+class GuardedConsumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer that neither skips nor commits past a source record.
+
+    ``source_topics`` (set by ``guard``) are the topics whose records must all reach the agents;
+    others (the table's changelog) keep Faust's behaviour.
+    """
+
+    source_topics: frozenset[str] = frozenset()
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._log_start: dict[Any, int] = {}
+        self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
+        self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
+
+    def unprocessed(self, messages: Iterable[Any]) -> None:
+        """``messages`` were delivered but their effects are not durable: read them again.
+
+        Each is marked acknowledged without counting as such, so no later ``ack`` (Faust's
+        ``take_events`` acknowledges a batch even when the agent failed on it) lets a commit pass
+        it. Its partition is fenced at its offset: ``admit`` turns away the partition's later
+        records until the re-read (from the committed offset, by the watchdog) reaches the fence,
+        so nothing after it is applied before it.
+        """
+        for message in messages:
+            message.acked = True
+            self._unacked_messages.discard(message)
+            tp = message.tp
+            if tp.topic in self.source_topics:
+                self.redo[tp] = min(self.redo.get(tp, message.offset), message.offset)
+
+    def admit(self, messages: Iterable[Any]) -> list[Any]:
+        """The messages an agent may apply now, in order; those after a fence are handed back."""
+        out: list[Any] = []
+        turned_away: list[Any] = []
+        for message in messages:
+            fence = self.redo.get(message.tp)
+            if fence is not None and message.offset > fence:
+                turned_away.append(message)
+                continue
+            if fence is not None:
+                del self.redo[message.tp]  # the re-read reached the fence: the partition flows again
+                self.redone.pop(message.tp, None)
+            out.append(message)
+        if turned_away:
+            self.unprocessed(turned_away)
+        return out
+
+    def resume_offset(self, tp: Any) -> int | None:
+        """The first offset of ``tp`` not known to be processed: committed, else the log start.
+
+        A committed offset below the log start (records gone by retention) resumes at the log start.
+        """
+        committed = self._committed_offset.get(tp)
+        log_start = self._log_start.get(tp)
+        if committed is None:
+            return log_start
+        return committed if log_start is None else max(committed, log_start)
+
+    async def refresh_log_start(self, tp: Any) -> int:
+        start = (await self.earliest_offsets(tp)).get(tp) or 0
+        self._log_start[tp] = start
+        return start
+
+    async def perform_seek(self) -> None:
+        await super().perform_seek()
+        self.redone.clear()  # Faust just sought every partition back to its committed offset
+        assigned = [tp for tp in self.assignment() if tp.topic in self.source_topics]
+        self._log_start = dict(await self.earliest_offsets(*assigned)) if assigned else {}
+        # Faust records a committed 0 as None; aiokafka seeks neither a missing nor a 0 commit, and
+        # Faust's seek leaves a commit below the log start to the fetcher's reset.
+        for tp in assigned:
+            resume = self.resume_offset(tp)
+            if resume is not None and resume != self._committed_offset.get(tp):
+                await self.seek(tp, resume)
+
+    def _new_offset(self, tp: Any) -> int | None:
+        if tp.topic in self.source_topics:
+            acked = self._acked.get(tp)
+            if acked:
+                resume = self.resume_offset(tp)
+                if resume is None:
+                    return None  # not positioned by us yet: commit nothing rather than guess
+                gap = self._gap.get(tp)
+                holes = [(iv.begin, iv.end) for iv in gap] if gap else []
+                if unacked_below(resume, min(acked), holes):
+                    return None  # a record below the acknowledged ones was never acknowledged
+        return super()._new_offset(tp)
+
+
+def guard(app: Any, source_topics: set[str]) -> None:
+    """Make ``app`` use ``GuardedConsumer`` for ``source_topics`` (before its consumer is created)."""
+    app.transport.Consumer = type("GuardedConsumer", (GuardedConsumer,), {"source_topics": frozenset(source_topics)})
+
+
+def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> StallDetector:
+    """Guard ``app``'s consumer and register the watchdog as a Faust timer for the source topics."""
+    guard(app, source_topics)
     detector = StallDetector()
 
     @app.timer(interval=interval_s)
     async def fetch_watchdog() -> None:
         consumer = app.consumer
-        if not getattr(consumer, "flow_active", True):
+        if not getattr(consumer, "flow_active", True) or not isinstance(consumer, GuardedConsumer):
             return
         try:
             inner = consumer._thread._ensure_consumer()  # the aiokafka consumer (read-only use)
@@ -69,6 +208,10 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
             return
         tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
         detector.forget(set(tps))
+        for tp in set(consumer.redo) - set(tps):
+            del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
+        for tp in set(consumer.redone) - set(consumer.redo):
+            del consumer.redone[tp]
         for tp in tps:
             if tp in paused or tp in consumer._paused_partitions:
                 continue
@@ -76,16 +219,46 @@ def install(app: Any, source_topics: set[str], interval_s: float = 3.0) -> Stall
                 position = state.state_value(tp).position
             except Exception:  # noqa: BLE001 - not assigned any more
                 continue
+            start = consumer.resume_offset(tp)
+            if start is None:
+                continue  # not positioned after its assignment yet
+            fence = consumer.redo.get(tp)
+            if fence is not None:
+                await _reread_fenced(consumer, tp, fence, start)
+                continue
+            acked = consumer._acked.get(tp)
+            lowest = min(acked) if acked else None
+            gap = consumer._gap.get(tp)
+            holes = [(iv.begin, iv.end) for iv in gap] if gap else []
+            head_gap = lowest is not None and unacked_below(start, lowest, holes)
             delivered = consumer._read_offset.get(tp)
-            committed = consumer._committed_offset.get(tp)
-            start = committed if committed is not None else 0
-            target = detector.observe(tp, position, delivered, start)
+            target = detector.observe(tp, position, delivered, start, head_gap=head_gap, lowest_acked=lowest)
             if target is None:
                 continue
-            if delivered is None and committed is None:
-                target = (await consumer.earliest_offsets(tp)).get(tp, 0) or 0
-            log.warning("%s[%d]: fetched up to %s but delivered only up to %s; re-reading from %d",
-                        tp.topic, tp.partition, position, delivered, target)
+            await consumer.refresh_log_start(tp)
+            target = consumer.resume_offset(tp) or target
+            log.warning(
+                "%s[%d]: fetched up to %s, read offset %s, lowest acknowledged %s: re-reading from %d",
+                tp.topic, tp.partition, position, delivered, lowest, target,
+            )
             await consumer.seek(tp, target)
 
     return detector
+
+
+async def _reread_fenced(consumer: GuardedConsumer, tp: Any, fence: int, start: int) -> None:
+    """Seek a fenced partition back to its committed offset; again if the fence is not reached soon."""
+    left = consumer.redone.get(tp, 0)
+    if left > 0:
+        consumer.redone[tp] = left - 1
+        return
+    target = max(start, await consumer.refresh_log_start(tp))
+    if target > fence:  # the unfinished records are gone from the log: nothing left to wait for
+        log.warning("%s[%d]: unfinished records from %d are no longer in the log", tp.topic, tp.partition, fence)
+        del consumer.redo[tp]
+        consumer.redone.pop(tp, None)
+        return
+    log.warning("%s[%d]: records from %d not finished by the agent; re-reading from %d",
+                tp.topic, tp.partition, fence, target)
+    consumer.redone[tp] = 3
+    await consumer.seek(tp, target)

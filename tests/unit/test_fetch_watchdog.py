@@ -1,6 +1,10 @@
-"""The stall detector re-reads only partitions whose fetch position stays ahead of delivery."""
+"""The fetch watchdog re-reads stalled partitions from the first record not known processed, and the
+commit guard never lets an offset pass a record the agent did not acknowledge."""
 
-from pipeline.fetch_watchdog import StallDetector
+from faust.types import TP
+
+from pipeline.app import create_app
+from pipeline.fetch_watchdog import GuardedConsumer, StallDetector, unacked_below
 
 
 def test_progressing_partition_is_never_reseeked() -> None:
@@ -16,10 +20,12 @@ def test_caught_up_partition_is_not_suspect() -> None:
         assert d.observe("p1", position=0, delivered=None, start=0) is None
 
 
-def test_fetched_but_undelivered_records_are_re_read_from_the_first_undelivered() -> None:
+def test_fetched_but_undelivered_records_are_re_read_from_the_committed_offset() -> None:
+    # Faust's read offset is the next record to read right after a seek (to the committed offset 7),
+    # so "delivered + 1" would skip record 7: the re-read starts at the committed offset.
     d = StallDetector()
-    assert d.observe("p2", position=22, delivered=7, start=0) is None  # first sight: maybe in flight
-    assert d.observe("p2", position=22, delivered=7, start=0) == 8  # still stuck: re-read from 8
+    assert d.observe("p2", position=22, delivered=7, start=7) is None  # first sight: maybe in flight
+    assert d.observe("p2", position=22, delivered=7, start=7) == 7  # still stuck: re-read from 7
 
 
 def test_nothing_delivered_resumes_from_the_start_offset() -> None:
@@ -30,9 +36,15 @@ def test_nothing_delivered_resumes_from_the_start_offset() -> None:
 
 def test_delivery_between_checks_clears_the_suspicion() -> None:
     d = StallDetector()
-    d.observe("p0", position=30, delivered=10, start=0)
-    assert d.observe("p0", position=30, delivered=12, start=0) is None  # it moved: count restarts
-    assert d.observe("p0", position=30, delivered=12, start=0) == 13
+    d.observe("p0", position=30, delivered=10, start=3)
+    assert d.observe("p0", position=30, delivered=12, start=3) is None  # it moved: count restarts
+    assert d.observe("p0", position=30, delivered=12, start=3) == 3
+
+
+def test_unacknowledged_head_is_re_read_even_when_delivery_moves_on() -> None:
+    d = StallDetector()
+    assert d.observe("p0", position=30, delivered=29, start=4, head_gap=True, lowest_acked=9) is None
+    assert d.observe("p0", position=31, delivered=30, start=4, head_gap=True, lowest_acked=9) == 4
 
 
 def test_forget_drops_partitions_no_longer_assigned() -> None:
@@ -40,3 +52,54 @@ def test_forget_drops_partitions_no_longer_assigned() -> None:
     d.observe("p0", position=30, delivered=10, start=0)
     d.forget(set())
     assert d.observe("p0", position=30, delivered=10, start=0) is None
+
+
+def test_unacked_below() -> None:
+    assert not unacked_below(5, 5)
+    assert unacked_below(5, 6)  # Faust's own check lets exactly this one pass (min(acked) - committed > 1)
+    assert unacked_below(0, 3)  # no commit yet: Faust checks nothing
+    assert not unacked_below(5, 9, [(5, 9)])  # a hole in the log is not a missing record
+    assert not unacked_below(5, 9, [(5, 7), (7, 9)])
+    assert unacked_below(5, 9, [(6, 9)])
+    assert unacked_below(5, 9, [(5, 7), (8, 9)])
+    assert not unacked_below(5, 9, [(1, 3), (4, 12)])
+
+
+def test_worker_app_uses_the_guarded_consumer() -> None:
+    xapp = create_app("127.0.0.1:9", topics=None)
+    consumer_class = xapp.app.transport.Consumer
+    assert issubclass(consumer_class, GuardedConsumer)
+    assert xapp.fault_events.get_topic_name() in consumer_class.source_topics
+    assert xapp.ticks.get_topic_name() in consumer_class.source_topics
+
+
+class _Msg:
+    def __init__(self, tp: TP, offset: int) -> None:
+        self.tp, self.offset, self.acked = tp, offset, False
+
+
+def _guarded() -> GuardedConsumer:
+    consumer = object.__new__(type("G", (GuardedConsumer,), {"source_topics": frozenset({"fault"})}))
+    consumer.redo, consumer.redone, consumer._unacked_messages = {}, {}, set()
+    return consumer
+
+
+def test_an_unfinished_batch_is_never_counted_and_fences_its_partition_until_re_read() -> None:
+    consumer = _guarded()
+    p0, p1 = TP("fault", 0), TP("fault", 1)
+    batch = [_Msg(p0, 10), _Msg(p0, 11), _Msg(p1, 4)]
+    consumer.unprocessed(batch)
+    assert all(m.acked for m in batch)  # a later ack (take_events closing) is a no-op: never committed
+    assert consumer.redo == {p0: 10, p1: 4}
+    later = [_Msg(p0, 12), _Msg(p1, 5)]
+    assert consumer.admit(later) == []  # queued after the failure: turned away, re-read later
+    assert consumer.redo == {p0: 10, p1: 4}
+    reread = [_Msg(p0, 8), _Msg(p0, 9), _Msg(p0, 10), _Msg(p0, 11), _Msg(p0, 12)]
+    assert consumer.admit(reread) == reread  # the re-read from the committed offset flows again
+    assert consumer.redo == {p1: 4}
+
+
+def test_other_topics_are_not_fenced() -> None:
+    consumer = _guarded()
+    consumer.unprocessed([_Msg(TP("changelog", 0), 3)])
+    assert consumer.redo == {}
