@@ -25,6 +25,7 @@ sends the same incident again (at-least-once), never loses one.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +110,25 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self._log_start: dict[Any, int] = {}
         self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
         self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
+        self._finished: Counter[tuple[Any, int]] = Counter()  # (tp, offset) finished, until acknowledged
+
+    def finished(self, messages: Iterable[Any]) -> None:
+        """An agent made these messages' effects durable: their acknowledgement may count."""
+        self._finished.update((m.tp, m.offset) for m in messages)  # a re-read twin counts apart
+
+    def ack(self, message: Any) -> bool:
+        # Faust acknowledges source records it never handed to the agent's code in some paths (a
+        # stream iterated after take_events ended, at shutdown): only finished records count.
+        if message.tp.topic in self.source_topics and not message.acked:
+            key = (message.tp, message.offset)
+            if self._finished[key] <= 0:
+                self._finished.pop(key, None)
+                self.unprocessed([message])
+                return False
+            self._finished[key] -= 1
+            if not self._finished[key]:
+                del self._finished[key]
+        return super().ack(message)
 
     def unprocessed(self, messages: Iterable[Any]) -> None:
         """``messages`` were delivered but their effects are not durable: read them again.
