@@ -52,6 +52,8 @@ def register(xapp: XidflowApp) -> None:
                 events = [event for event in events if id(event.message) in admitted]
             try:
                 await _apply_batch(xapp, aggregator, table, ticks_name, events)
+                if isinstance(consumer, GuardedConsumer):
+                    consumer.finished([event.message for event in events])
             except BaseException:
                 # take_events acknowledges the batch even now (when its generator is closed): the
                 # consumer must neither commit past these records nor forget them.

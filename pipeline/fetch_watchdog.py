@@ -10,12 +10,17 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
   run starts at the committed offset only when one is known and non-zero, and then with an
   off-by-one (``min(acked) - committed > 1``): one record the agent never acknowledged, or all of
   them on a partition without a commit, are committed past, and a restart never reads them again.
-- A record whose delivery was cut by the flow suspension is counted as read.
+- A record whose delivery was cut by the flow suspension is counted as read (seen: the record at
+  the committed offset dropped right after a restart, the ones after it processed).
+- Once ``take_events`` ends (the agent stopping), the stream acknowledges what it still pulls
+  without the agent seeing it, and the final commit passes those records.
 
 ``GuardedConsumer`` closes the first two at the source: after every (re)assignment a source
 partition without a committed offset is sought to its log start (what ``auto_offset_reset=earliest``
-means), and an offset is committed only when every offset from the committed one (or that log start)
-up to it was acknowledged by the agent (or is a known hole in the log). The watchdog timer heals what
+means); an acknowledgement counts only for a record the agent reported finished (``finished``), any
+other is handed back (``unprocessed``) and fences its partition until re-read (``admit``); and an
+offset is committed only when every offset from the committed one (or that log start) up to it was
+acknowledged (or is a known hole in the log). The watchdog timer heals what
 is left: a partition whose fetch position stays ahead of delivery, or whose acknowledged offsets
 start above its committed one, across two checks, is re-read from its committed offset (or log
 start). Re-reading only ever repeats records: the aggregation makes a repeated record a no-op, or
@@ -25,6 +30,7 @@ sends the same incident again (at-least-once), never loses one.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -109,6 +115,25 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self._log_start: dict[Any, int] = {}
         self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
         self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
+        self._finished: Counter[tuple[Any, int]] = Counter()  # (tp, offset) finished, until acknowledged
+
+    def finished(self, messages: Iterable[Any]) -> None:
+        """An agent made these messages' effects durable: their acknowledgement may count."""
+        self._finished.update((m.tp, m.offset) for m in messages)  # a re-read twin counts apart
+
+    def ack(self, message: Any) -> bool:
+        # Faust acknowledges source records it never handed to the agent's code in some paths (a
+        # stream iterated after take_events ended, at shutdown): only finished records count.
+        if message.tp.topic in self.source_topics and not message.acked:
+            key = (message.tp, message.offset)
+            if self._finished[key] <= 0:
+                self._finished.pop(key, None)
+                self.unprocessed([message])
+                return False
+            self._finished[key] -= 1
+            if not self._finished[key]:
+                del self._finished[key]
+        return super().ack(message)
 
     def unprocessed(self, messages: Iterable[Any]) -> None:
         """``messages`` were delivered but their effects are not durable: read them again.

@@ -1,6 +1,8 @@
 """The fetch watchdog re-reads stalled partitions from the first record not known processed, and the
 commit guard never lets an offset pass a record the agent did not acknowledge."""
 
+from collections import Counter
+
 from faust.types import TP
 
 from pipeline.app import create_app
@@ -103,3 +105,12 @@ def test_other_topics_are_not_fenced() -> None:
     consumer = _guarded()
     consumer.unprocessed([_Msg(TP("changelog", 0), 3)])
     assert consumer.redo == {}
+
+
+def test_an_acknowledgement_counts_only_for_records_the_agent_finished() -> None:
+    consumer = _guarded()
+    consumer._finished = Counter()
+    p0 = TP("fault", 0)
+    stray = _Msg(p0, 7)
+    assert consumer.ack(stray) is False  # acknowledged by Faust without the agent finishing it
+    assert stray.acked and consumer.redo == {p0: 7}
