@@ -100,6 +100,18 @@ class KafkaNode:
     pid: int | None = None
 
 
+def new_cluster_id() -> str:
+    """A KRaft cluster id: a random UUID in URL-safe base64, never starting with '-'.
+
+    The storage tool would read a leading '-' as an option (Kafka's own ``Uuid.randomUuid`` avoids it too);
+    one id in 64 would make the format fail.
+    """
+    while True:
+        cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+        if not cluster_id.startswith("-"):
+            return cluster_id
+
+
 @dataclass
 class KafkaCluster:
     """A local Kafka cluster rooted at ``root`` (configs, data, logs).
@@ -128,7 +140,7 @@ class KafkaCluster:
                 for i in range(self.brokers)
             ]
         if not self.cluster_id:
-            self.cluster_id = base64.urlsafe_b64encode(uuid.uuid4().bytes).decode().rstrip("=")
+            self.cluster_id = new_cluster_id()
 
     # -- state -----------------------------------------------------------------------------
     @property

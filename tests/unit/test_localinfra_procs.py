@@ -28,3 +28,11 @@ def test_stop_leaves_a_process_that_is_not_ours_alone() -> None:
     finally:
         if child.poll() is None:
             child.kill()
+
+
+def test_kafka_cluster_ids_never_look_like_an_option() -> None:
+    from pipeline.localinfra.kafka import new_cluster_id
+
+    ids = {new_cluster_id() for _ in range(5000)}
+    assert len(ids) == 5000 and not any(i.startswith("-") for i in ids)
+    assert all(len(i) == 22 for i in ids)
