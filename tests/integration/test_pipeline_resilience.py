@@ -209,12 +209,12 @@ async def test_an_output_the_broker_refuses_is_a_dead_letter_not_a_restart_loop(
             await wait_ready(pipe, worker)
             await pipe.kernel(huge, XID.format(bus="4e", code=79, text="fallen " + "y" * 600_000), T0)
             await pipe.kernel(other, X79, T0)
-            await pipe.wait_for(lambda: bool(pipe.incidents(other)), 30, "the other node's incident")
+            await pipe.wait_for(lambda: bool(pipe.incidents(other)), 120, "the other node's incident")
             await pipe.wait_for(
-                lambda: len([d for d in pipe.seen["deadletter"] if d.get("key") == huge]) >= 2, 30, "dead letters"
+                lambda: len([d for d in pipe.seen["deadletter"] if d.get("key") == huge]) >= 2, 120, "dead letters"
             )
             await pipe.kernel(other, X95, T0 + 1)
-            await pipe.wait_for(lambda: any(i.get("code") == 95 for i in pipe.incidents(other)), 30, "second fault")
+            await pipe.wait_for(lambda: any(i.get("code") == 95 for i in pipe.incidents(other)), 120, "second fault")
             await asyncio.sleep(2)
             await pipe.poll()
             letters = [d for d in pipe.seen["deadletter"] if d.get("key") == huge]
