@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
+from pipeline.actuator.settings import is_taint_key
 from pipeline.catalog import Catalog
 from schemas.records import FaultKind
 
@@ -101,16 +102,6 @@ _ATTRS_BY_ACTION: dict[str, set[str]] = attrs_by_action()
 
 
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
-_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-
-
-def is_taint_key(key: str) -> bool:
-    """Whether Kubernetes accepts ``key`` as a taint key: ``[prefix/]name``, a qualified name."""
-    prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return False
-    return bool(_QUALIFIED_NAME.match(name))
 
 
 class NodeSelector(_Model):

@@ -12,6 +12,20 @@ from typing import Literal
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+
+
+def is_taint_key(key: str) -> bool:
+    """Whether Kubernetes accepts ``key`` as a taint key: ``[prefix/]name``, a qualified name.
+
+    The one copy of this rule: the actuator's default taint key and policies' taint keys both use it.
+    """
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return False
+    return bool(_QUALIFIED_NAME.match(name))
+
 
 class ActuatorSettings(BaseSettings):
     """Every knob of ``xidflow actuator``."""
@@ -90,14 +104,10 @@ class ActuatorSettings(BaseSettings):
     @field_validator("taint_key")
     @classmethod
     def _taint_key_kubernetes_accepts(cls, value: str) -> str:
-        """A qualified name: optional DNS-subdomain prefix and '/', then 1-63 name characters."""
-        prefix, slash, name = value.rpartition("/")
-        if slash and not (len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix)):
-            raise ValueError(f"prefix {prefix!r} is not a DNS subdomain (lowercase, at most 253 characters)")
-        if not (len(name) <= 63 and _QUALIFIED_NAME.match(name)):
+        if not is_taint_key(value):
             raise ValueError(
                 "not a Kubernetes taint key: at most 63 letters, digits, '-', '_' or '.' after an optional "
-                "'prefix/', starting and ending with a letter or digit"
+                "'prefix/' (a lowercase DNS subdomain), starting and ending with a letter or digit"
             )
         return value
 
@@ -108,6 +118,3 @@ class ActuatorSettings(BaseSettings):
             raise ValueError(f"no such file: {value}")
         return value
 
-
-_QUALIFIED_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
