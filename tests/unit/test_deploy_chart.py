@@ -372,3 +372,43 @@ def test_an_incomplete_sasl_setup_renders_and_is_left_to_the_process_to_refuse()
     docs = render(**{"kafka.security.protocol": "SASL_SSL"})  # the process names KAFKA_SASL_MECHANISM at start
     env = env_of(container(one(docs, "Deployment", "-worker")))
     assert env["KAFKA_SECURITY_PROTOCOL"] == "SASL_SSL" and "KAFKA_SASL_MECHANISM" not in env
+
+
+def test_loki_tail_authenticates_with_mounted_secret_files() -> None:
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    docs = render(**{"lokiTail.enabled": True, "lokiTail.url": "https://loki-gateway.monitoring.svc",
+                     "lokiTail.auth.existingSecret": "loki-creds", "lokiTail.auth.bearerTokenKey": "token",
+                     "lokiTail.auth.caKey": "ca.crt"})
+    workload = one(docs, "Deployment", "-loki-tail")
+    c = container(workload)
+    assert "--bearer-token-file=/etc/xidflow/loki-auth/token" in c["args"]
+    assert "--ca-file=/etc/xidflow/loki-auth/ca.crt" in c["args"]
+    assert not [a for a in c["args"] if a.startswith(("--username", "--password-file"))]
+    mount = next(m for m in c["volumeMounts"] if m["name"] == "loki-auth")
+    assert mount == {"name": "loki-auth", "mountPath": "/etc/xidflow/loki-auth", "readOnly": True}
+    volume = next(v for v in workload["spec"]["template"]["spec"]["volumes"] if v["name"] == "loki-auth")
+    assert volume["secret"]["secretName"] == "loki-creds"
+    assert not [e for e in c["env"] if "TOKEN" in e["name"] or "PASSWORD" in e["name"]]  # files, not env
+    # every rendered flag is one the command really has
+    flags = {a.split("=", 1)[0] for a in c["args"]}
+    help_text = CliRunner().invoke(cli, ["loki-tail", "--help"]).output
+    assert all(f in help_text for f in flags), flags
+
+    basic = render(**{"lokiTail.enabled": True, "lokiTail.auth.existingSecret": "loki-creds",
+                      "lokiTail.auth.username": "xidflow", "lokiTail.auth.passwordKey": "password"})
+    args = container(one(basic, "Deployment", "-loki-tail"))["args"]
+    assert {"--username=xidflow", "--password-file=/etc/xidflow/loki-auth/password"} <= set(args)
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"lokiTail.auth.passwordKey": "password", "lokiTail.auth.existingSecret": "s"}, "needs lokiTail.auth.username"),
+    ({"lokiTail.auth.bearerTokenKey": "token"}, "existingSecret, which is empty"),
+    ({"lokiTail.auth.existingSecret": "s", "lokiTail.auth.username": "u", "lokiTail.auth.passwordKey": "p",
+      "lokiTail.auth.bearerTokenKey": "t"}, "not both"),
+])
+def test_loki_tail_auth_mistakes_are_refused_with_the_value_named(values: dict, message: str) -> None:
+    with pytest.raises(Exception, match=message):
+        render(**{"lokiTail.enabled": True, **values})
