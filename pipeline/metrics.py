@@ -192,12 +192,11 @@ _component: str | None = None
 
 
 def use(component: str, values: LabelValues | None = None) -> CollectorRegistry:
-    """Make ``component``'s registry the one this process serves (once; later calls only add label values)."""
+    """Make ``component``'s registry the one this process serves; a later call for the same component only
+    adds label values. (A process runs one command; tests that run several in one process get the last.)"""
     global _registry, _component
-    if _registry is None:
+    if _registry is None or component != _component:
         _registry, _component = build_registry(component, values), component
-    elif component != _component:
-        raise RuntimeError(f"this process already serves the {_component} metrics, not {component}'s")
     elif values:
         initialise(values)
     return _registry

@@ -196,3 +196,12 @@ def test_breaker_window_counts_quarantined_and_admitted_within_the_window_once()
     counted, share = fleetmetrics.breaker_window(state, frozenset({"c", "d"}), fleet=8, window=300, now=1000)
     assert (counted, share) == (3, 3 / 8)  # a (in window), c (both), d (quarantined); b fell out
     assert fleetmetrics.breaker_window({}, frozenset(), fleet=0, window=300, now=0) == (0, 0)
+
+
+def test_use_keeps_one_registry_per_component_and_adds_label_values() -> None:
+    first = metrics.use(metrics.WORKER)
+    again = metrics.use(metrics.WORKER, {metrics.LINES_IN: [("late.topic",)]})
+    assert again is first and metrics.registry() is first
+    assert ("xidflow_lines_total", (("source", "late.topic"),)) in _series(first)
+    other = metrics.use(metrics.ACTUATOR)  # a later command in the same process (tests) serves its own set
+    assert other is not first and metrics.registry() is other
