@@ -178,6 +178,18 @@ async def eventually(proc: Process, port: int, check: Callable[[Samples], bool],
         await asyncio.sleep(1)
 
 
+def actuator_env(env: Env, kubeconfig: str, group: str, policy: Path, port: int) -> dict[str, str]:
+    return {
+        **os.environ, "KAFKA_BOOTSTRAP_SERVERS": env.bootstrap, "XIDFLOW_TOPIC_PREFIX": env.topics.prefix,
+        "XIDFLOW_METRICS_ADDR": "127.0.0.1", "XIDFLOW_METRICS_REFRESH_S": "1", "XIDFLOW_HEALTH_PORT": "0",
+        "XIDFLOW_METRICS_PORT": str(port), "KUBECONFIG": kubeconfig,
+        "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": env.selector, "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace,
+        "XIDFLOW_ACTUATOR_GROUP_ID": group, "XIDFLOW_ACTUATOR_POLICY_SOURCE": "file",
+        "XIDFLOW_ACTUATOR_POLICY_FILE": str(policy), "XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE": "1.0",
+        "XIDFLOW_ACTUATOR_RESYNC_SECONDS": "2",
+    }
+
+
 async def test_worker_and_actuator_export_their_own_metrics_and_the_quarantine_gauge(
     env: Env, kubeconfig: str, unique: Callable[[str], str], tmp_path: Path
 ) -> None:
@@ -192,13 +204,8 @@ async def test_worker_and_actuator_export_their_own_metrics_and_the_quarantine_g
     worker = Process("worker", ["worker", "--bootstrap", env.bootstrap, "--app-id", app_id, "--partitions", "2",
                                 "--log-level", "warning"],
                      {**common, "XIDFLOW_METRICS_PORT": str(worker_port)}, tmp_path)
-    actuator = Process("actuator", ["actuator", "--no-api", "--log-level", "warning"], {
-        **common, "XIDFLOW_METRICS_PORT": str(actuator_port), "KUBECONFIG": kubeconfig,
-        "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": env.selector, "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace,
-        "XIDFLOW_ACTUATOR_GROUP_ID": group, "XIDFLOW_ACTUATOR_POLICY_SOURCE": "file",
-        "XIDFLOW_ACTUATOR_POLICY_FILE": str(policy), "XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE": "1.0",
-        "XIDFLOW_ACTUATOR_RESYNC_SECONDS": "2",
-    }, tmp_path)
+    actuator = Process("actuator", ["actuator", "--no-api", "--log-level", "warning"],
+                       actuator_env(env, kubeconfig, group, policy, actuator_port), tmp_path)
     try:
         nodes = await env.make_nodes(3)
         incidents = env.topics.name("incidents")
@@ -251,3 +258,39 @@ async def test_worker_and_actuator_export_their_own_metrics_and_the_quarantine_g
     finally:
         actuator.stop()
         worker.stop()
+
+
+async def test_an_open_drain_step_is_exported_with_its_age_and_timeout(
+    env: Env, kubeconfig: str, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """A drain held by a PodDisruptionBudget: its step stays open, and the gauges the "flow stuck past its
+    timeout" alert compares show it (age growing, the policy's timeout); when it finishes they drop to 0."""
+    from tests.integration.test_actuator_failover import guarded_pods, set_pdb
+
+    (node,) = await env.make_nodes(1)
+    ns, generation = await guarded_pods(env, node)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("kind: RescuePolicy\nmetadata: {name: metrics}\nspec:\n  rules:\n"
+                      "  - {priority: 10, codes: [79], actions: [{name: cordon}, "
+                      "{name: drain, gracePeriodCap: 0, timeout: 600}]}\n")
+    port = free_port()
+    actuator = Process("actuator", ["actuator", "--no-api", "--log-level", "warning"],
+                       actuator_env(env, kubeconfig, unique("g"), policy, port), tmp_path)
+    try:
+        await eventually(actuator, port, lambda s: value(s, "xidflow_gpu_nodes") == 1, "the fleet")
+        await publish(env.bootstrap, env.topics.name("incidents"), [make_incident(node, unique("inc"))])
+        first = await eventually(actuator, port, lambda s: value(s, "xidflow_flow_open_steps", action="drain") == 1
+                                 and (value(s, "xidflow_flow_oldest_step_age_seconds", action="drain") or 0) > 0,
+                                 "the open drain step")
+        assert value(first, "xidflow_flow_oldest_step_timeout_seconds", action="drain") == 600
+        assert value(first, "xidflow_flow_open_steps", action="cordon") == 0
+        age = value(first, "xidflow_flow_oldest_step_age_seconds", action="drain") or 0
+        await eventually(actuator, port, lambda s: (value(s, "xidflow_flow_oldest_step_age_seconds", action="drain")
+                                                   or 0) > age, "the drain step's age growing")
+        await set_pdb(env, ns, 3, generation)  # the budget allows the evictions: the drain finishes
+        done = await eventually(actuator, port, lambda s: value(s, "xidflow_flow_open_steps", action="drain") == 0,
+                                "the drain step closed")
+        assert value(done, "xidflow_flow_oldest_step_age_seconds", action="drain") == 0
+        assert value(done, "xidflow_flow_oldest_step_timeout_seconds", action="drain") == 0
+    finally:
+        actuator.stop()
