@@ -141,5 +141,6 @@ async def _dead(xapp: XidflowApp, event: Any, reason: str) -> Awaitable[Any]:
         STAGE, reason, msg.value, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
     )
     log.warning("dead letter from %s: %s", msg.topic, reason)
+    metrics.DEADLETTERS.labels(STAGE, letter.code.value).inc()
     return await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
 

@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 
 def register(xapp: XidflowApp) -> ParseStage:
     """Attach a parse stage (consumer group ``<app_id>-parse``) to the app; returns it."""
-    from pipeline.app import ParseService
+    from pipeline.app import ParseService, parse_group_id
 
     stage = ParseStage(
         xapp.bootstrap,
-        group_id=f"{xapp.settings.app_id}-parse",
+        group_id=parse_group_id(xapp.settings.app_id),
         topics=xapp.topics,
         settings=xapp.parse,
         client_id=f"{xapp.settings.app_id}-parse",

@@ -227,6 +227,7 @@ def create_app(
     if settings.parse:
         parse_agent.register(xapp)
     install_memory_release(xapp)
+    install_lag_monitor(xapp)
     if settings.aggregate:
         aggregate_agent.register(xapp)
         from pipeline import fetch_watchdog
@@ -234,6 +235,37 @@ def create_app(
         fetch_watchdog.install(xapp.app, {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()})
         install_aggregation_liveness(xapp)
     return xapp
+
+
+def parse_group_id(app_id: str) -> str:
+    """The parse stage's consumer group (the aggregation's is Faust's: the app id)."""
+    return f"{app_id}-parse"
+
+
+def consumer_groups(xapp: XidflowApp) -> dict[str, list[str]]:
+    """Each consumer group this worker runs -> the topics it consumes (what ``pipeline.lag`` reports)."""
+    groups: dict[str, list[str]] = {}
+    if xapp.settings.aggregate:
+        groups[xapp.app.conf.id] = [xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()]
+    if xapp.settings.parse:
+        groups[parse_group_id(xapp.settings.app_id)] = list(xapp.topics.raw_inputs)
+    return groups
+
+
+def install_lag_monitor(xapp: XidflowApp) -> None:
+    """Report the consumer lag of the worker's groups on a timer (``pipeline.lag``), batches or not."""
+    from pipeline.lag import LagMonitor
+
+    monitor = LagMonitor(consumer_groups(xapp), xapp.bootstrap)
+
+    class _LagService(mode.Service):
+        async def on_start(self) -> None:
+            monitor.start()
+
+        async def on_stop(self) -> None:
+            await monitor.stop()
+
+    xapp.app.service(_LagService)
 
 
 def install_memory_release(xapp: XidflowApp, interval_s: float = 30.0) -> None:

@@ -25,6 +25,7 @@ PREFIX = "XIDFLOW_"
 DIRECT_NAMES = frozenset({
     "XIDFLOW_METRICS_PORT",  # pipeline.metrics
     "XIDFLOW_METRICS_ADDR",  # pipeline.metrics
+    "XIDFLOW_METRICS_REFRESH_S",  # pipeline.metrics
     "XIDFLOW_STATE_DIR",  # pipeline.localinfra.launcher
     "XIDFLOW_NO_DOCKER",  # pipeline.localinfra.launcher
     "XIDFLOW_CACHE_DIR",  # pipeline.localinfra.install

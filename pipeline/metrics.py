@@ -1,11 +1,21 @@
-"""Prometheus metrics of every xidflow process (the names are a contract: dashboards use them).
+"""Prometheus metrics of every xidflow process (the names are a contract: dashboards and alerts use them).
 
 Each process serves them at ``:$XIDFLOW_METRICS_PORT/metrics`` (default 9400; 0 disables), and its
 liveness (``pipeline.liveness``) at ``/healthz`` on the same port: 200 while every registered stage
 makes progress, 503 naming the stalled ones.
 
-Label values are closed sets (topic names, partitions, enum values): a label never carries text
-that comes from input, so no input can grow the number of series.
+Hygiene:
+
+- **Each process exports only its own metrics.** The metrics are defined here unregistered
+  (``registry=None``); ``use(component)`` builds the process's own registry from the component's
+  list (``COMPONENT_METRICS``) plus the process/platform/GC collectors, and ``/metrics`` serves that
+  registry, not prometheus-client's global one (which would collect every metric any imported
+  module defines).
+- **Bounded labels.** Label values are closed sets: enum values, configured topic and group names,
+  partition numbers, action names from the action registry. A value outside its set is counted as
+  ``other`` (``bounded``); no label ever carries a node name or text that comes from input.
+- **Initialised series.** ``use`` creates every known label combination at 0 when the process
+  starts, so ``rate()`` and ``absent()`` work from the first scrape.
 """
 
 from __future__ import annotations
@@ -13,42 +23,214 @@ from __future__ import annotations
 import logging
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Collection, Iterable, Mapping
 from socketserver import ThreadingMixIn
-from typing import Any
+from typing import Any, get_args
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
-from prometheus_client import Counter, Gauge, Histogram, make_wsgi_app
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    GCCollector,
+    Histogram,
+    PlatformCollector,
+    ProcessCollector,
+    disable_created_metrics,
+    make_wsgi_app,
+)
+from prometheus_client.metrics import MetricWrapperBase
 
 from pipeline.liveness import LIVENESS
+from schemas.records import Action, DeadLetterCode, FaultKind, NodeRecovered
 
-LINES_IN = Counter("xidflow_lines_total", "Raw log records read from the input topics", ["source"])
-FAULT_EVENTS = Counter("xidflow_fault_events_total", "Recognised fault events", ["kind"])
+disable_created_metrics()  # no *_created twin of every counter series: half the series, nothing reads them
+
+# -- worker (parse stage and aggregation) -------------------------------------------------------------
+LINES_IN = Counter("xidflow_lines_total", "Raw log records read from the input topics (source: the topic)",
+                   ["source"], registry=None)
+FAULT_EVENTS = Counter("xidflow_fault_events_total", "Recognised fault events", ["kind"], registry=None)
 DEADLETTERS = Counter(
     "xidflow_deadletters_total", "Records sent to the dead-letter topic (reason: a DeadLetterCode value)",
-    ["stage", "reason"],
+    ["stage", "reason"], registry=None,
 )
 OUTPUT_FAILURES = Counter(
-    "xidflow_output_failures_total", "Outputs refused by the producer or broker, replaced by a dead letter"
+    "xidflow_output_failures_total", "Outputs refused by the producer or broker, replaced by a dead letter",
+    registry=None,
 )
 OUTPUTS_LOST = Counter(
-    "xidflow_outputs_lost_total", "Refused outputs whose replacement dead letter was refused too (logged)"
+    "xidflow_outputs_lost_total", "Refused outputs whose replacement dead letter was refused too (logged)",
+    registry=None,
 )
-INCIDENTS = Counter("xidflow_incidents_total", "Node incidents opened or escalated", ["action"])
-RECOVERIES = Counter("xidflow_recoveries_total", "NodeRecovered records emitted", ["reason"])
-REMEDIATIONS = Counter("xidflow_remediations_total", "Actuator decisions and effects", ["action", "outcome"])
-CONSUMER_LAG = Gauge("xidflow_consumer_lag", "Records behind the end of the partition", ["topic", "partition"])
-BREAKER_OPEN = Gauge("xidflow_breaker_open", "1 while the quarantine circuit breaker is open")
+INCIDENTS = Counter("xidflow_incidents_total", "Node incidents opened or escalated", ["action"], registry=None)
+RECOVERIES = Counter("xidflow_recoveries_total", "NodeRecovered records emitted", ["reason"], registry=None)
 E2E_LATENCY = Histogram(
     "xidflow_e2e_latency_seconds", "Time from a line's log timestamp to its incident record",
-    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=None,
 )
+
+# -- every consumer (worker and actuator): pipeline.lag ----------------------------------------------
+CONSUMER_LAG = Gauge(
+    "xidflow_consumer_lag",
+    "Records of the partition the consumer group has not committed yet (end offset - committed offset), "
+    "refreshed on a timer whether or not records arrive",
+    ["group", "topic", "partition"], registry=None,
+)
+LAG_REFRESHED = Gauge(
+    "xidflow_consumer_lag_refreshed_timestamp_seconds", "When the consumer lag of the group was last read",
+    ["group"], registry=None,
+)
+
+# -- actuator (pipeline.actuator.fleetmetrics) --------------------------------------------------------
+REMEDIATIONS = Counter(
+    "xidflow_remediations_total", "Actuator decisions and effects (action: the action's name, without '#n')",
+    ["action", "outcome"], registry=None,
+)
+BREAKER_OPEN = Gauge("xidflow_breaker_open", "1 while the quarantine circuit breaker is open", registry=None)
+BREAKER_WINDOW_NODES = Gauge(
+    "xidflow_breaker_window_nodes",
+    "GPU nodes the breaker counts now: quarantined by xidflow or admitted within its window",
+    registry=None,
+)
+BREAKER_WINDOW_SHARE = Gauge(
+    "xidflow_breaker_window_share",
+    "Share of the GPU fleet the breaker counts now (it trips above XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE)",
+    registry=None,
+)
+BREAKER_MAX_SHARE = Gauge("xidflow_breaker_max_share", "The breaker's configured limit on the share",
+                          registry=None)
+GPU_NODES = Gauge("xidflow_gpu_nodes", "GPU nodes the actuator watches (its node selector)", registry=None)
+QUARANTINED_NODES = Gauge(
+    "xidflow_quarantined_nodes", "GPU nodes carrying xidflow's own cordon or taint now (its ledger owns it)",
+    registry=None,
+)
+FLOW_STEP_AGE = Gauge(
+    "xidflow_flow_oldest_step_age_seconds",
+    "Age of the oldest open flow step of the action (0: none open), over every GPU node",
+    ["action"], registry=None,
+)
+FLOW_STEP_TIMEOUT = Gauge(
+    "xidflow_flow_oldest_step_timeout_seconds",
+    "Timeout of that oldest open step (its policy's timeout or the action's default)",
+    ["action"], registry=None,
+)
+FLOW_STEPS_OPEN = Gauge("xidflow_flow_open_steps", "Open flow steps of the action over every GPU node",
+                        ["action"], registry=None)
+NOTIFICATIONS = Counter(
+    "xidflow_notifications",
+    "Webhook notifications by webhook (its configured name) and result (delivered, failed, dropped)",
+    ["webhook", "result"], registry=None,
+)
+NOTIFICATION_ATTEMPTS = Counter(
+    "xidflow_notification_attempts", "HTTP attempts to deliver webhook notifications", ["webhook"],
+    registry=None,
+)
+
+WORKER, ACTUATOR, PROBE, LOKI_TAIL = "worker", "actuator", "probe", "loki-tail"
+
+COMPONENT_METRICS: dict[str, tuple[MetricWrapperBase, ...]] = {
+    WORKER: (LINES_IN, FAULT_EVENTS, DEADLETTERS, OUTPUT_FAILURES, OUTPUTS_LOST, INCIDENTS, RECOVERIES,
+             E2E_LATENCY, CONSUMER_LAG, LAG_REFRESHED),
+    ACTUATOR: (REMEDIATIONS, BREAKER_OPEN, BREAKER_WINDOW_NODES, BREAKER_WINDOW_SHARE, BREAKER_MAX_SHARE,
+               GPU_NODES, QUARANTINED_NODES, FLOW_STEP_AGE, FLOW_STEP_TIMEOUT, FLOW_STEPS_OPEN,
+               NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED),
+    PROBE: (),
+    LOKI_TAIL: (),
+}
+"""What each process exports (besides process_*/python_* of its own): nothing else reaches its /metrics."""
+
+OTHER = "other"
+WORKER_DEADLETTER_STAGES = ("adapter", "parse", "aggregate")
+"""Stages of the worker that dead-letter (``pipeline.adapters``, ``pipeline.parse_stage``, ``agents.aggregate``)."""
+
+LabelValues = Mapping[MetricWrapperBase, Iterable[tuple[str, ...]]]
+
+
+def bounded(value: str, allowed: Collection[str]) -> str:
+    """``value`` when it is one of the known label values, else ``other``: a label never grows with input."""
+    return value if value in allowed else OTHER
+
+
+def worker_label_values(raw_topics: Iterable[str]) -> dict[MetricWrapperBase, list[tuple[str, ...]]]:
+    """Every known label combination of the worker's counters (pure)."""
+    return {
+        LINES_IN: [(t,) for t in dict.fromkeys(raw_topics)],
+        FAULT_EVENTS: [(k.value,) for k in FaultKind],
+        DEADLETTERS: [(s, c.value) for s in WORKER_DEADLETTER_STAGES for c in DeadLetterCode],
+        INCIDENTS: [(a.value,) for a in Action],
+        RECOVERIES: [(r,) for r in get_args(NodeRecovered.model_fields["reason"].annotation)],
+    }
+
+
+def initialise(values: LabelValues) -> None:
+    """Create each listed series now (at 0), so it is exported before anything happens."""
+    for metric, combos in values.items():
+        for combo in combos:
+            metric.labels(*combo)
+
+
+def build_registry(component: str, values: LabelValues | None = None) -> CollectorRegistry:
+    """A registry of the component's own metrics (``COMPONENT_METRICS``) and process collectors."""
+    if component not in COMPONENT_METRICS:
+        raise ValueError(f"unknown component {component!r}; one of {sorted(COMPONENT_METRICS)}")
+    registry = CollectorRegistry(auto_describe=True)
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    GCCollector(registry=registry)
+    for metric in COMPONENT_METRICS[component]:
+        registry.register(metric)
+    if values:
+        unknown = [m for m in values if m not in COMPONENT_METRICS[component]]
+        if unknown:
+            raise ValueError(f"{component} does not export {[m._name for m in unknown]}")
+        initialise(values)
+    return registry
+
+
+_registry: CollectorRegistry | None = None
+_component: str | None = None
+
+
+def use(component: str, values: LabelValues | None = None) -> CollectorRegistry:
+    """Make ``component``'s registry the one this process serves; a later call for the same component only
+    adds label values. (A process runs one command; tests that run several in one process get the last.)"""
+    global _registry, _component
+    if _registry is None or component != _component:
+        _registry, _component = build_registry(component, values), component
+    elif values:
+        initialise(values)
+    return _registry
+
+
+def registry() -> CollectorRegistry:
+    """The registry /metrics serves (an empty one with the process collectors until ``use`` chose one)."""
+    global _registry
+    if _registry is None:
+        _registry = build_registry(PROBE)
+    return _registry
+
+
+def refresh_interval_s() -> float:
+    """How often gauges read from outside (consumer lag, fleet gauges) are refreshed:
+    ``XIDFLOW_METRICS_REFRESH_S`` (default 15 s)."""
+    try:
+        value = float(os.environ.get("XIDFLOW_METRICS_REFRESH_S", "15"))
+    except ValueError:
+        value = 15.0
+    return min(max(value, 0.5), 3600.0)
+
 
 _started: set[int] = set()
 
 
-def serve_metrics(port: int | None = None) -> int | None:
-    """Start the /metrics endpoint once per process; returns the port or None when disabled."""
+def serve_metrics(port: int | None = None, component: str | None = None,
+                  values: LabelValues | None = None) -> int | None:
+    """Start the /metrics endpoint once per process; returns the port or None when disabled.
+
+    ``component`` picks what it exports (``use``); without one, what an earlier ``use`` chose.
+    """
+    if component is not None:
+        use(component, values)
     if port is None:
         port = int(os.environ.get("XIDFLOW_METRICS_PORT", "9400"))
     if port <= 0:
@@ -64,18 +246,15 @@ def serve_metrics(port: int | None = None) -> int | None:
     return port
 
 
-_metrics_app = make_wsgi_app()
-
-
 def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-    """``/healthz``: the process's liveness; anything else: the Prometheus exposition."""
+    """``/healthz``: the process's liveness; anything else: the Prometheus exposition of its registry."""
     if environ.get("PATH_INFO") in ("/healthz", "/livez"):
         live, reasons = LIVENESS.check()
         body = ("ok\n" if live else "stalled: " + "; ".join(reasons) + "\n").encode()
         start_response("200 OK" if live else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])
         return [body]
-    return _metrics_app(environ, start_response)
+    return make_wsgi_app(registry())(environ, start_response)
 
 
 class _Server(ThreadingMixIn, WSGIServer):

@@ -674,9 +674,6 @@ class ParseStage:
             self._ends[tp] = ends[tp]
             # Metrics per batch, not per record: the hot path stays free of per-line bookkeeping.
             metrics.LINES_IN.labels(tp.topic).inc(len(records))
-            highwater = consumer.highwater(tp)
-            if highwater is not None:
-                metrics.CONSUMER_LAG.labels(tp.topic, str(tp.partition)).set(max(0, highwater - ends[tp]))
         outputs = await self._send(producer, result.events, result.dead_letters)
         for tp, end in ends.items():
             key = (tp.topic, tp.partition)

@@ -14,11 +14,13 @@ from pipeline.actuator.breaker import Admission, Breaker, DrainSlots
 from pipeline.actuator.consumer import ActuatorConsumer
 from pipeline.actuator.effects import now_rfc3339, object_name
 from pipeline.actuator.engine import Engine
+from pipeline.actuator.fleetmetrics import FleetGauges
 from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.reconciler import Reconciler
 from pipeline.actuator.settings import ActuatorSettings
+from pipeline.lag import LagMonitor
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import Outcome
 
@@ -117,6 +119,13 @@ class Actuator:
         self.reconciler = Reconciler(self.engine, self.kube, s.gpu_node_selector, s.resync_seconds)
         self.consumer.on_assigned = self.reconciler.assign
         self._given_policies = policies is not None
+        # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
+        self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)
+        self.gauges = FleetGauges(lambda: self.reconciler.nodes, self.breaker)
+
+    def webhook_names(self) -> list[str]:
+        """The configured webhooks' names (label values of the notification metrics)."""
+        return list(getattr(self.notifier, "stats", None) or {})
 
     async def _release_plan(self, request_id: str) -> None:
         """Tell the decision API's shared pending-plans ledger that this request's plan is over."""
@@ -174,6 +183,8 @@ class Actuator:
         if consume:
             self.reconciler.start()
             await self.consumer.start()
+            self.lag.start()
+            self.gauges.start()
 
     async def run(self) -> None:
         await self.consumer.run()
@@ -181,6 +192,8 @@ class Actuator:
     async def stop(self) -> None:
         await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
+            await self.gauges.stop()
+            await self.lag.stop()
             # The reconciler first: the long steps it drives hand their leases over before we leave the group.
             await self.reconciler.stop()
             await self.consumer.stop()

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 
 from pipeline import kafka_clients, metrics
+from pipeline.actuator.fleetmetrics import remediation_action
 from schemas.records import NodeIncident, Outcome, RemediationRecord, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")
@@ -83,7 +84,7 @@ class Auditor:
     async def emit(self, record: RemediationRecord) -> None:
         assert self._producer is not None, "Auditor.start() first"
         await self._producer.send_and_wait(self.topic, record.to_bytes(), key=record.node.encode())
-        metrics.REMEDIATIONS.labels(record.action, record.outcome.value).inc()
+        metrics.REMEDIATIONS.labels(remediation_action(record.action), record.outcome.value).inc()
         log.info(
             "%s %s %s %s %s",
             record.node,

@@ -91,6 +91,11 @@ def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
     return any(ledger.owners(effect) for effect in present)
 
 
+def admitted_within(state: Mapping[str, Any], window: float, now: float) -> dict[str, float]:
+    """Nodes the breaker admitted into quarantine within the window (node -> when). Pure."""
+    return {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
+
+
 def decide_admissions(
     state: dict[str, Any],
     nodes: list[str],
@@ -108,7 +113,7 @@ def decide_admissions(
     The first node that would cross the threshold trips the breaker; only a person resets it, and
     a reset forgets the trip, not the nodes that are still quarantined.
     """
-    admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
+    admitted = admitted_within(state, window, now)
     state["admitted"] = admitted
     fleet = max(fleet_size, 1)
     out: dict[str, Admission] = {}
@@ -205,7 +210,7 @@ class Breaker:
     async def status(self) -> dict[str, Any]:
         state = await read_json_configmap(self.kube, self.namespace, self.name)
         now = time.time()
-        admitted = {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= self.window}
+        admitted = admitted_within(state, self.window, now)
         fleet, quarantined = await self.fleet_snapshot(fresh=True)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)
         return {

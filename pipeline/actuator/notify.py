@@ -28,22 +28,16 @@ from urllib.parse import urlsplit
 
 import aiohttp
 import orjson
-from prometheus_client import Counter
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, Severity
 
 log = logging.getLogger(__name__)
 
-NOTIFICATIONS = Counter(
-    "xidflow_notifications",
-    "Webhook notifications by webhook and result (delivered, failed, dropped)",
-    ["webhook", "result"],
-)
-NOTIFICATION_ATTEMPTS = Counter(
-    "xidflow_notification_attempts", "HTTP attempts to deliver webhook notifications", ["webhook"]
-)
+NOTIFICATIONS = metrics.NOTIFICATIONS  # defined with the actuator's other metrics (pipeline.metrics)
+NOTIFICATION_ATTEMPTS = metrics.NOTIFICATION_ATTEMPTS
 
 Notifiable = RemediationRecord | NodeIncident
 RETRYABLE_STATUSES = frozenset({408, 425, 429})

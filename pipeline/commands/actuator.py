@@ -34,6 +34,7 @@ def actuator(
     """Consume incidents and rescue requests and remediate nodes (settings: XIDFLOW_ACTUATOR_*)."""
     from pydantic_settings import SettingsError
 
+    from pipeline.actuator import fleetmetrics
     from pipeline.actuator.api import ApiSettings, ApiStartError, check_tokens, start_api
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.jobtemplates import JobTemplateError, check_operator_templates
@@ -86,8 +87,8 @@ def actuator(
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        serve_metrics()
         replica = Actuator(settings, kubeconfig=kubeconfig)
+        serve_metrics(component="actuator", values=fleetmetrics.label_values(replica.webhook_names()))
         running = None
         if serve_api:
             try:

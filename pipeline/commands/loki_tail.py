@@ -98,7 +98,7 @@ def loki_tail(
         from pipeline.heartbeat import with_liveness
         from pipeline.metrics import serve_metrics
 
-        serve_metrics()
+        serve_metrics(component="loki-tail")
         await loki_reachable(loki_url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

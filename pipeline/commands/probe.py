@@ -73,7 +73,7 @@ def probe(
     if not once:
         from pipeline.metrics import serve_metrics
 
-        serve_metrics()
+        serve_metrics(component="probe")
     from pipeline.heartbeat import with_liveness
 
     code = asyncio.run(with_liveness(

@@ -91,12 +91,12 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
-    from pipeline import allocator
+    from pipeline import allocator, metrics
     from pipeline.metrics import serve_metrics
 
     allocator.tune()  # before the first burst: large blocks are then given back when freed
 
-    serve_metrics(settings.web_port or None)
+    serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
     xapp = create_app(bootstrap, settings, topics, group=group)
     from pipeline.heartbeat import install_faust
 

@@ -1,0 +1,210 @@
+"""The actuator's metrics: the closed label sets of its counters, and gauges of the fleet as it is now.
+
+Gauges (refreshed every ``XIDFLOW_METRICS_REFRESH_S`` from the reconciler's node cache, a list+watch
+of every GPU node, plus one read of the breaker's ConfigMap; nothing here lists nodes itself):
+
+- ``xidflow_quarantined_nodes``: GPU nodes carrying xidflow's own cordon or taint (the breaker's rule,
+  ``breaker.quarantined_by_xidflow``), ``xidflow_gpu_nodes`` the fleet;
+- ``xidflow_breaker_window_nodes`` / ``_share``: what the breaker counts against its limit (quarantined
+  now, or admitted within its window), ``xidflow_breaker_open`` whatever replica tripped it;
+- ``xidflow_flow_oldest_step_age_seconds{action}`` and ``..._timeout_seconds{action}``: the oldest
+  open step of each action and its timeout, so "a flow stuck past its timeout" is
+  ``age > timeout``; ``xidflow_flow_open_steps{action}``.
+
+Every replica sees the whole fleet and exports the same values (alerts take the ``max``). The
+computations are pure functions of ``NodeView``s; ``FleetGauges`` is the timer around them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from pipeline import metrics
+from pipeline.actuator import actions
+from pipeline.actuator.actions.base import Kind
+from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
+from pipeline.actuator.breaker import Breaker, admitted_within, quarantined_by_xidflow, read_json_configmap
+from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
+from pipeline.actuator.nodeview import NodeView
+from schemas.records import Outcome
+
+log = logging.getLogger("xidflow.actuator.metrics")
+
+AUDIT_ACTIONS = ("decide", "resume", "undo", "cancel", "breaker-trip", "rescue-request", "api-idempotency-conflict")
+"""Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``)."""
+
+STEP_ACTIONS: tuple[str, ...] = tuple(n for n in actions.ACTION_NAMES if actions.get(n).kind != Kind.MACRO)
+"""Actions a flow step can be (a macro such as ``quarantine`` is expanded when planned)."""
+
+REMEDIATION_ACTIONS: frozenset[str] = frozenset(actions.ACTION_NAMES) | frozenset(AUDIT_ACTIONS)
+
+DEFAULT_STEP_TIMEOUTS: Mapping[str, float] = {"drain": DEFAULT_DRAIN_TIMEOUT, "reboot": DEFAULT_REBOOT_TIMEOUT}
+STEP_TIMEOUT_S = 300.0
+"""Timeout of a step whose policy and action give none: a node write, an Event or a Job start that is
+still open after five minutes is stuck."""
+
+
+def remediation_action(action: str) -> str:
+    """The ``action`` label of ``xidflow_remediations_total``: the action's name (a flow's second drain,
+    step ``drain#2``, counts as ``drain``), or ``other``."""
+    return metrics.bounded(action.partition("#")[0], REMEDIATION_ACTIONS)
+
+
+def label_values(webhooks: Iterable[str] = ()) -> dict[Any, list[tuple[str, ...]]]:
+    """Every known label combination of the actuator's counters and per-action gauges (pure)."""
+    names = sorted(REMEDIATION_ACTIONS) + [metrics.OTHER]
+    hooks = list(dict.fromkeys(webhooks))
+    return {
+        metrics.REMEDIATIONS: [(a, o.value) for a in names for o in Outcome],
+        metrics.FLOW_STEP_AGE: [(a,) for a in STEP_ACTIONS],
+        metrics.FLOW_STEP_TIMEOUT: [(a,) for a in STEP_ACTIONS],
+        metrics.FLOW_STEPS_OPEN: [(a,) for a in STEP_ACTIONS],
+        metrics.NOTIFICATIONS: [(w, r) for w in hooks for r in ("delivered", "failed", "dropped")],
+        metrics.NOTIFICATION_ATTEMPTS: [(w,) for w in hooks],
+    }
+
+
+# -- pure computations --------------------------------------------------------------------------------
+def is_quarantined(view: NodeView) -> bool:
+    """``breaker.quarantined_by_xidflow`` of a cached view (one rule for the breaker and the gauge)."""
+    return quarantined_by_xidflow({"metadata": {"annotations": view.annotations},
+                                   "spec": {"unschedulable": view.unschedulable, "taints": list(view.taints)}})
+
+
+@dataclass(frozen=True)
+class OpenStep:
+    node: str
+    flow: str
+    action: str
+    age_s: float
+    timeout_s: float
+
+
+def step_timeout(spec: Mapping[str, Any]) -> float:
+    """The step's policy timeout, else the action's default, else ``STEP_TIMEOUT_S``."""
+    given = spec.get("timeout")
+    if given:
+        return float(given)
+    return DEFAULT_STEP_TIMEOUTS.get(str(spec.get("name")), STEP_TIMEOUT_S)
+
+
+def open_steps(view: NodeView, now: float) -> list[OpenStep]:
+    """The step each open flow of the node is at, with how long it has been open. Pure.
+
+    A step is open from when the step before it was done plus that step's wait (the flow's start for
+    the first). Step keys follow ``plan``: the n-th step of one action in a flow is ``name#n``.
+    """
+    ledger = view.ledger
+    out: list[OpenStep] = []
+    for flow_key in ledger.open_flows():
+        flow = ledger.flows.get(flow_key) or {}
+        specs = (flow.get("plan") or {}).get("steps") or []
+        since = float(flow.get("at") or now)
+        seen: dict[str, int] = {}
+        for spec in specs:
+            name = str(spec.get("name"))
+            seen[name] = seen.get(name, 0) + 1
+            key = name if seen[name] == 1 else f"{name}#{seen[name]}"
+            done = ledger.done_at(flow_key, key)
+            if done is None:
+                out.append(OpenStep(view.name, flow_key, name, max(0.0, now - since), step_timeout(spec)))
+                break
+            since = done + float(spec.get("waittime") or 0)
+    return out
+
+
+@dataclass(frozen=True)
+class FleetFigures:
+    gpu_nodes: int
+    quarantined: frozenset[str]
+    oldest: Mapping[str, OpenStep]
+    """action -> its oldest open step"""
+    open_steps: Mapping[str, int]
+
+
+def fleet_figures(views: Iterable[NodeView], now: float) -> FleetFigures:
+    """Quarantined nodes and the oldest open step per action over the fleet. Pure."""
+    count = 0
+    quarantined: set[str] = set()
+    oldest: dict[str, OpenStep] = {}
+    opened: dict[str, int] = {}
+    for view in views:
+        count += 1
+        if is_quarantined(view):
+            quarantined.add(view.name)
+        for step in open_steps(view, now):
+            action = metrics.bounded(step.action, STEP_ACTIONS)
+            opened[action] = opened.get(action, 0) + 1
+            if action not in oldest or step.age_s > oldest[action].age_s:
+                oldest[action] = step
+    return FleetFigures(count, frozenset(quarantined), oldest, opened)
+
+
+def breaker_window(state: Mapping[str, Any], quarantined: frozenset[str], fleet: int, window: float,
+                   now: float) -> tuple[int, float]:
+    """Nodes the breaker counts now (quarantined, or admitted within the window) and their share. Pure."""
+    counted = len(admitted_within(state, window, now).keys() | quarantined)
+    return counted, counted / max(fleet, 1)
+
+
+# -- the timer ----------------------------------------------------------------------------------------
+def publish(figures: FleetFigures) -> None:
+    metrics.GPU_NODES.set(figures.gpu_nodes)
+    metrics.QUARANTINED_NODES.set(len(figures.quarantined))
+    for action in (*STEP_ACTIONS, *(a for a in figures.oldest if a not in STEP_ACTIONS)):
+        step = figures.oldest.get(action)
+        metrics.FLOW_STEP_AGE.labels(action).set(step.age_s if step else 0)
+        metrics.FLOW_STEP_TIMEOUT.labels(action).set(step.timeout_s if step else 0)
+        metrics.FLOW_STEPS_OPEN.labels(action).set(figures.open_steps.get(action, 0))
+
+
+class FleetGauges:
+    """Refreshes the fleet gauges every ``interval_s`` from ``nodes()`` (the reconciler's cache)."""
+
+    def __init__(self, nodes: Callable[[], Mapping[str, NodeView]], breaker: Breaker,
+                 interval_s: float | None = None) -> None:
+        self.nodes, self.breaker = nodes, breaker
+        self.interval_s = interval_s if interval_s is not None else metrics.refresh_interval_s()
+        self._task: asyncio.Task[None] | None = None
+        self._failing = False
+
+    async def refresh(self) -> FleetFigures:
+        now = time.time()
+        figures = fleet_figures(list(self.nodes().values()), now)
+        publish(figures)
+        b = self.breaker
+        metrics.BREAKER_MAX_SHARE.set(b.max_share)
+        state = await read_json_configmap(b.kube, b.namespace, b.name)
+        counted, share = breaker_window(state, figures.quarantined, figures.gpu_nodes, b.window, now)
+        metrics.BREAKER_WINDOW_NODES.set(counted)
+        metrics.BREAKER_WINDOW_SHARE.set(share)
+        metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)  # tripped by any replica, or before we started
+        return figures
+
+    async def run(self) -> None:
+        while True:
+            try:
+                await self.refresh()
+                self._failing = False
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - metrics never stop the work
+                if not self._failing:
+                    log.warning("fleet gauges not refreshed (%s: %s); retrying", type(exc).__name__, exc)
+                self._failing = True
+            await asyncio.sleep(self.interval_s)
+
+    def start(self) -> None:
+        if self._task is None or self._task.done():
+            self._task = asyncio.create_task(self.run(), name="xidflow-fleet-gauges")
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
