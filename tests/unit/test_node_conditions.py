@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import re
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 from pipeline.actuator import conditions
 from pipeline.actuator.actions.condition import restorations, target
@@ -166,3 +169,41 @@ def test_fallen_off_bus_has_a_condition_named_for_it() -> None:
     for kind in (FaultKind.XID, FaultKind.GPU_FALLEN_OFF_BUS):
         plan = plan_incident(incident(79, kind), load_yaml_text(policy("{name: condition}")), view(), SETTINGS, 0.0)
         assert plan.problem is not None and plan.problem.condition_type == ProblemClass.FELL_OFF_BUS
+
+
+# -- the CRD schema and admission policy say the same as the code ----------------------------------------------
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _action_schema() -> dict[str, Any]:
+    crd = yaml.safe_load((ROOT / "deploy" / "crds" / "rescuepolicies.xidflow.dev.yaml").read_text())
+    rules = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]["spec"]["properties"]["rules"]
+    return rules["items"]["properties"]["actions"]["items"]["properties"]
+
+
+def test_crd_schema_matches_the_condition_checks() -> None:
+    props = _action_schema()
+    assert props["status"]["enum"] == list(conditions.STATUSES)
+    assert props["type"]["pattern"] == conditions._TYPE.pattern and props["type"]["maxLength"] == conditions.TYPE_MAX
+    assert props["reason"]["pattern"] == conditions._REASON.pattern
+    for good in ("AcceleratedHardwareReady", "example.com/Gpu.ok"):
+        assert re.match(props["type"]["pattern"], good) and conditions.type_error(good) is None
+
+
+def test_admission_policy_lists_the_same_kubelet_and_own_types() -> None:
+    text = (ROOT / "deploy" / "crds" / "admission" / "rescuepolicy-validation.yaml").read_text()
+    policy = next(d for d in yaml.safe_load_all(text) if d and d["kind"] == "ValidatingAdmissionPolicy")
+    lists = [set(re.findall(r"'(\w+)'", m)) for v in policy["spec"]["validations"]
+             for m in re.findall(r"a\.type in \[([^\]]*)\]", v["expression"])]
+    assert conditions.KUBELET_TYPES in lists and OWN_CONDITION_TYPES in lists
+
+
+def test_example_replace_policy_sets_accelerated_hardware_ready_false() -> None:
+    examples = load_yaml_text((ROOT / "deploy" / "examples" / "policies.yaml").read_text())
+    labelled = NodeView.from_object({"metadata": {"name": "gpu-1", "labels": {"xidflow.dev/repair": "replace"}}})
+    plan = plan_incident(incident(79), examples, labelled, SETTINGS, 0.0)
+    assert plan.rule == "replace-on-hardware-fault"
+    assert [s.effect for s in plan.steps if s.name == "condition"] == [
+        "condition:GpuFellOffBus", "condition:AcceleratedHardwareReady=False"
+    ]
+    assert examples.select(FaultKind.XID, 79, {}).name != "replace-on-hardware-fault"  # only where labelled
