@@ -207,3 +207,16 @@ def test_example_replace_policy_sets_accelerated_hardware_ready_false() -> None:
         "condition:GpuFellOffBus", "condition:AcceleratedHardwareReady=False"
     ]
     assert examples.select(FaultKind.XID, 79, {}).name != "replace-on-hardware-fault"  # only where labelled
+
+
+def test_status_lists_a_policy_condition_xidflow_owns() -> None:
+    from pipeline.commands.status import node_rows
+
+    ledger = Ledger()
+    ledger.own(conditions.effect_key(AHR, "False"), "inc-1")
+    obj = {
+        "metadata": {"name": "gpu-1", "annotations": {LEDGER_ANNOTATION: ledger.to_annotation()}},
+        "status": {"conditions": [{"type": AHR, "status": "False", "reason": "GpuHardwareFault", "message": "xid 79"}]},
+    }
+    [row] = node_rows([obj], now=0.0)
+    assert [(f["condition"], f["status"]) for f in row["faults"]] == [(AHR, "False")]
