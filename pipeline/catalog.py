@@ -102,8 +102,10 @@ class Classification:
 Workflow = Literal["", "follower", "gpu_lost", "nvlink5", "recovery_action", "repeat_gpc_tpc", "repeat_gpu"]
 """How a code's events are treated beyond its action (see the catalog file's header)."""
 
-Problem = Literal["xid", "ecc", "nvlink", "count", "sxid"]
-"""Which node condition class describes a fault (the actuator's condition type derives from it)."""
+Problem = Literal["xid", "ecc", "nvlink", "count", "sxid", "fell_off_bus"]
+"""Which node condition class describes a fault (the actuator's condition type derives from it):
+``fell_off_bus`` is ``GpuFellOffBus`` (Xid 79 and the Xid-less fallen-off-bus lines), ``count`` a GPU
+missing for another reason (``GpuCount``)."""
 
 
 class _Entry(BaseModel):

@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from pipeline.actuator import effects
 from pipeline.actuator.actions import Kind, StepContext, StepResult, StopReason
+from pipeline.actuator.actions import condition as condition_action
 from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.effects import NodeChange
 from pipeline.actuator.kube import Kube, KubeUnavailable
@@ -464,13 +465,6 @@ class LiveEffector:
 
         # Conditions first: they are idempotent, and the ledger write below is what marks the undo done,
         # so a crash in between replays the whole undo instead of leaving a condition behind.
-        await asyncio.gather(
-            *(
-                effects.set_condition(
-                    self.kube, view.name, ctype, False, "XidflowRecovered", f"{flow} recovered: {reason}"
-                )
-                for ctype in undo.clear_conditions
-            )
-        )
+        await condition_action.restore(self.kube, view, undo.clear_conditions, f"{flow} recovered: {reason}")
         await self.writer.update(view.name, mutate, f"undo {flow}")
         return StepResult(Outcome.APPLIED, reason, done)

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from pipeline.actuator.conditions import next_condition
 from pipeline.actuator.kube import AlreadyExists, Kube
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
@@ -111,24 +112,18 @@ async def set_condition(
     kube: Kube,
     node: str,
     condition_type: str,
-    status: bool,
+    status: bool | str,
     reason: str,
     message: str,
     resource_version: str | None = None,
+    current: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
     """Set one NodeCondition through the status subresource; other conditions are left untouched.
 
-    With ``resource_version`` the write is conditional (409 when the Node changed since).
+    With ``resource_version`` the write is conditional (409 when the Node changed since). ``current``
+    is the condition as last read: its ``lastTransitionTime`` is kept when the status stays the same.
     """
-    now = now_rfc3339()
-    cond = {
-        "type": condition_type,
-        "status": "True" if status else "False",
-        "reason": reason,
-        "message": message[:1024],
-        "lastHeartbeatTime": now,
-        "lastTransitionTime": now,
-    }
+    cond = next_condition(current, condition_type, status, reason, message, now_rfc3339())
     body: dict[str, Any] = {"status": {"conditions": [cond]}}
     if resource_version:
         body["metadata"] = {"resourceVersion": resource_version}

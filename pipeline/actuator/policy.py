@@ -15,9 +15,12 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from pipeline.actuator import conditions
 from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
+from pipeline.actuator.conditions import ConditionStatus
+from pipeline.actuator.problems import OWN_CONDITION_TYPES
 from pipeline.actuator.settings import is_taint_key
 from pipeline.catalog import Catalog
 from schemas.records import FaultKind
@@ -70,6 +73,17 @@ class ActionSpec(_Model):
     webhook_url: str | None = Field(default=None, alias="webhookUrl")
     job_template: dict[str, Any] | None = Field(default=None, alias="jobTemplate")
     uncordon_after: bool = Field(default=False, alias="uncordonAfter")
+    # condition: a well-known type other tools act on (AcceleratedHardwareReady), instead of the problem's own
+    condition_type: str | None = Field(
+        default=None, alias="type", description="Condition type to set instead of the problem's own (GpuXid, ...)"
+    )
+    status: ConditionStatus | None = Field(default=None, description="True, False or Unknown; required with type")
+    reason: str | None = Field(default=None, description="CamelCase reason (default: the problem's, e.g. XidError)")
+
+    @field_validator("status", mode="before")
+    @classmethod
+    def _status_text(cls, value: Any) -> Any:
+        return conditions.status_text(value) if isinstance(value, bool) else value
 
     @model_validator(mode="after")
     def _check_attrs(self) -> ActionSpec:
@@ -95,7 +109,24 @@ class ActionSpec(_Model):
                 raise ValueError(f"forceNamespaces: {namespace!r} is not a namespace name")
         if self.key is not None and not is_taint_key(self.key):
             raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
+        self._check_condition()
         return self
+
+    def _check_condition(self) -> None:
+        if self.condition_type is not None:
+            problem = conditions.type_error(self.condition_type)
+            if problem:
+                raise ValueError(f"type: {problem}")
+            if self.status is None:
+                raise ValueError("status: required with type (True, False or Unknown: its value on a fault)")
+            if self.condition_type in OWN_CONDITION_TYPES and self.status != "True":
+                raise ValueError(f"status: xidflow's own condition {self.condition_type} is True on a fault")
+        elif self.status is not None:
+            raise ValueError("type: required with status (the condition type to set)")
+        if self.reason is not None:
+            problem = conditions.reason_error(self.reason)
+            if problem:
+                raise ValueError(f"reason: {problem}")
 
 
 _ATTRS_BY_ACTION: dict[str, set[str]] = attrs_by_action()

@@ -1,7 +1,9 @@
 """Problem class of an incident: which NodeCondition, Event reason and taint value describe it.
 
 Node-repair tools (Karpenter node repair, draino-style controllers) watch conditions by type, so
-the classes are coarse and stable: GpuXid, GpuSXid, GpuEcc, GpuNvlink, GpuCount.
+the classes are coarse and stable: GpuXid, GpuSXid, GpuEcc, GpuNvlink, GpuCount, GpuFellOffBus. Each
+is present on every GPU node, ``False`` with its healthy reason (``HEALTHY``) while no such fault is
+open, as node-problem-detector's conditions are (``baseline_conditions``).
 
 Which class a code belongs to is the catalog's ``problem`` column (``Catalog.problem``), read from
 the configured catalog (built-in file plus ``XIDFLOW_CATALOG_OVERRIDES``): nothing about a code is
@@ -23,6 +25,7 @@ class ProblemClass(StrEnum):
     ECC = "GpuEcc"
     NVLINK = "GpuNvlink"
     COUNT = "GpuCount"
+    FELL_OFF_BUS = "GpuFellOffBus"
 
 
 _CLASS_BY_PROBLEM = {
@@ -31,7 +34,19 @@ _CLASS_BY_PROBLEM = {
     "ecc": ProblemClass.ECC,
     "nvlink": ProblemClass.NVLINK,
     "count": ProblemClass.COUNT,
+    "fell_off_bus": ProblemClass.FELL_OFF_BUS,
 }
+
+HEALTHY: dict[ProblemClass, tuple[str, str]] = {
+    ProblemClass.XID: ("NoGpuXid", "xidflow has no open GPU Xid fault on this node"),
+    ProblemClass.SXID: ("NoGpuSXid", "xidflow has no open NVSwitch SXid fault on this node"),
+    ProblemClass.ECC: ("NoGpuEccError", "xidflow has no open GPU memory (ECC) fault on this node"),
+    ProblemClass.NVLINK: ("NoGpuNvlinkError", "xidflow has no open NVLink fault on this node"),
+    ProblemClass.COUNT: ("GpuCountAsExpected", "xidflow has no open missing-GPU fault on this node"),
+    ProblemClass.FELL_OFF_BUS: ("NoGpuFellOffBus", "xidflow has no open fallen-off-the-bus fault on this node"),
+}
+"""Reason and message of each own condition while healthy (status False)."""
+OWN_CONDITION_TYPES: frozenset[str] = frozenset(str(c) for c in ProblemClass)
 
 
 @dataclass(frozen=True)
@@ -49,7 +64,8 @@ def classify_incident(incident: NodeIncident, catalog: Catalog | None = None) ->
     if incident.kind == FaultKind.SXID:
         return Problem(ProblemClass.SXID, "SXidError", f"sxid-{code}" if code is not None else "sxid")
     if incident.kind == FaultKind.GPU_FALLEN_OFF_BUS:
-        return Problem(ProblemClass.COUNT, "GpuFallenOffBus", "fallen-off-bus")
+        cls = _CLASS_BY_PROBLEM.get(catalog.problem(incident.kind.value, code), ProblemClass.XID)
+        return Problem(cls, "GpuFallenOffBus", "fallen-off-bus")
     if incident.kind == FaultKind.HEALTH_CHECK:
         # signature: health_check:<check>:<gpu>
         check = incident.signature.split(":", 2)[1] if incident.signature.count(":") >= 1 else ""

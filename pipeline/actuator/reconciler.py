@@ -21,6 +21,7 @@ import orjson
 from aiokafka.partitioner import murmur2
 from kubernetes.watch.watch import iter_resp_lines
 
+from pipeline.actuator.baseline_conditions import BaselineConditions
 from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.nodeview import NodeView
@@ -114,6 +115,7 @@ class Reconciler:
         self._watch = NodeWatch(kube, node_selector, self._post)
         self._resync: asyncio.Task[None] | None = None
         self.resumed = 0
+        self.baseline = BaselineConditions(kube, engine.settings)
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +131,7 @@ class Reconciler:
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        await self.baseline.stop()
 
     # -- ownership ----------------------------------------------------------------------------------------
     def assign(self, partitions: set[int], partition_count: int) -> None:
@@ -166,6 +169,8 @@ class Reconciler:
 
     def _consider(self, name: str) -> None:
         view = self.nodes.get(name)
+        if view is not None and self.owns(name):
+            self.baseline.consider(view)  # xidflow's own conditions present, False while healthy
         if view is None or not self.owns(name) or not needs_attention(view):
             return
         if not view.unschedulable and view.ledger.owners(CORDON):

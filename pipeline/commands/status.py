@@ -200,7 +200,7 @@ def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = N
         view = NodeView.from_object(obj)
         ledger = view.ledger
         flows = sorted({f for owners in ledger.owned.values() for f in owners})
-        owned_conditions = {k.split(":", 1)[1] for k in ledger.owned if k.startswith("condition:")}
+        owned_conditions = {k.split(":", 1)[1].partition("=")[0] for k in ledger.owned if k.startswith("condition:")}
         faults = []
         for cond in view.conditions:
             if cond.get("type") in owned_conditions:

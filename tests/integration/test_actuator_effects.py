@@ -111,7 +111,7 @@ async def test_default_quarantine_cordons_taints_sets_condition_and_event(env: E
     assert node["spec"]["unschedulable"] is True
     taint = [t for t in node["spec"]["taints"] if t["key"] == "nvidia.com/gpu-fault"]
     assert taint and taint[0]["effect"] == "NoSchedule" and taint[0]["value"] == "xid-79"
-    cond = [c for c in node["status"]["conditions"] if c["type"] == "GpuCount"]
+    cond = [c for c in node["status"]["conditions"] if c["type"] == "GpuFellOffBus"]
     assert cond and cond[0]["status"] == "True" and cond[0]["reason"] == "XidError"
     # the kubelet-style Ready condition survives: conditions are merged by type, not replaced
     assert any(c["type"] == "Ready" for c in node["status"]["conditions"])
@@ -189,7 +189,7 @@ async def test_recovery_removes_only_what_xidflow_applied(env: Env) -> None:
     assert not node["spec"].get("unschedulable")
     keys = {t["key"] for t in node["spec"].get("taints", [])}
     assert "other.io/maintenance" in keys and "nvidia.com/gpu-fault" not in keys
-    cond = [c for c in node["status"]["conditions"] if c["type"] == "GpuCount"][0]
+    cond = [c for c in node["status"]["conditions"] if c["type"] == "GpuFellOffBus"][0]
     assert cond["status"] == "False"
     assert (await env.ledger(name)).owned == {}
     # a second recovery finds nothing left to undo

@@ -258,6 +258,11 @@ BAD_FOR_ADMISSION = [
     ([{"name": "drain", "forceAfter": 30, "forceNamespaces": ["Not_A_Namespace"]}], "must be a namespace name"),
     ([{"name": "taint", "key": "bad key!"}], "not a valid taint key"),
     ([{"name": "event", "gracePeriodCap": 3}], "only valid for drain"),
+    ([{"name": "cordon", "type": "GpuHealthy", "status": "False"}], "only valid for the condition action"),
+    ([{"name": "condition", "type": "AcceleratedHardwareReady"}], "status: required with type"),
+    ([{"name": "condition", "status": "False"}], "status: required with type"),
+    ([{"name": "condition", "type": "Ready", "status": "False"}], "written by the kubelet"),
+    ([{"name": "condition", "type": "GpuXid", "status": "False"}], "are True on a fault"),
 ]
 
 

@@ -64,7 +64,7 @@ def test_default_quarantine_expands_for_quarantining_actions() -> None:
     assert [s.key for s in plan.steps] == ["cordon", "taint", "condition", "event"]
     assert plan.rule == "global-default" and plan.skip_reason is None
     assert plan.steps[1].effect == "taint:nvidia.com/gpu-fault:NoSchedule"
-    assert plan.steps[2].effect == "condition:GpuCount"
+    assert plan.steps[2].effect == "condition:GpuFellOffBus"
 
 
 def test_default_policy_only_reports_application_errors() -> None:
@@ -170,7 +170,7 @@ def test_recovery_never_uncordons_a_cordon_xidflow_did_not_make() -> None:
 
 
 def test_problem_classes_and_event_text() -> None:
-    assert classify_incident(incident(code=79)).condition_type == ProblemClass.COUNT
+    assert classify_incident(incident(code=79)).condition_type == ProblemClass.FELL_OFF_BUS
     assert classify_incident(incident(code=48)).condition_type == ProblemClass.ECC
     assert classify_incident(incident(code=74)).condition_type == ProblemClass.NVLINK
     assert classify_incident(incident(code=12020, kind=FaultKind.SXID)).event_reason == "SXidError"

@@ -147,8 +147,8 @@ def test_problem_classes_come_from_the_catalog(catalog: Catalog) -> None:
     assert classify_incident(incident(48)).condition_type is ProblemClass.ECC
     assert classify_incident(incident(171)).condition_type is ProblemClass.ECC
     assert classify_incident(incident(149)).condition_type is ProblemClass.NVLINK
-    assert classify_incident(incident(79)).condition_type is ProblemClass.COUNT
-    assert classify_incident(incident(79, FaultKind.GPU_FALLEN_OFF_BUS)).condition_type is ProblemClass.COUNT
+    assert classify_incident(incident(79)).condition_type is ProblemClass.FELL_OFF_BUS
+    assert classify_incident(incident(79, FaultKind.GPU_FALLEN_OFF_BUS)).condition_type is ProblemClass.FELL_OFF_BUS
     assert classify_incident(incident(13)).condition_type is ProblemClass.XID
     overridden = Catalog.load(overrides={"xid": {13: {"problem": "ecc"}}})
     assert classify_incident(incident(13), overridden).condition_type is ProblemClass.ECC

@@ -1,35 +1,69 @@
-"""condition: set the problem's NodeCondition (GpuXid, GpuEcc, ...) to True for node-repair tooling."""
+"""condition: set a NodeCondition for node-repair tooling, and put it back on recovery.
+
+Without attributes it sets the problem's own condition (GpuXid, GpuEcc, GpuFellOffBus, ...) to True.
+With ``type`` and ``status`` it sets a well-known condition other tools act on instead, e.g.
+``{name: condition, type: AcceleratedHardwareReady, status: "False"}``, which Karpenter node repair and
+EKS node auto repair replace a node on. ``reason`` overrides the reason (default: the problem's).
+
+xidflow owns (ledger) what it changed: its own condition types always, another type only when it
+changed its status (a value another tool already wrote is left to that tool). Undo puts back the
+healthy status (``conditions.recovered_status``), and only while the condition still says what
+xidflow wrote.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
-from pipeline.actuator import effects
+from pipeline.actuator import conditions, effects
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
-from pipeline.actuator.kube import Conflict, KubeUnavailable, NotFound
+from pipeline.actuator.kube import Conflict, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.nodeview import NodeView
-from pipeline.actuator.ownership import condition_effect_key
-from pipeline.actuator.problems import ProblemClass, event_message
+from pipeline.actuator.problems import OWN_CONDITION_TYPES, Problem, ProblemClass, event_message
 from schemas.records import Outcome
 
 if TYPE_CHECKING:
     from pipeline.actuator.plan import Step
+    from pipeline.actuator.policy import ActionSpec
+    from pipeline.actuator.settings import ActuatorSettings
+
+_ATTEMPTS = 50
+
+
+def target(spec: ActionSpec, problem: Problem | None) -> tuple[str, str]:
+    """(type, status) the step sets: the policy's, else the problem's own condition, True."""
+    if spec.condition_type:
+        return spec.condition_type, str(spec.status)
+    return str(problem.condition_type if problem else ProblemClass.XID), "True"
+
+
+def _effect_key(spec: ActionSpec, settings: ActuatorSettings, problem: Problem | None) -> str | None:
+    if not spec.condition_type and problem is None:
+        return None
+    return conditions.effect_key(*target(spec, problem))
 
 
 async def run(ctx: StepContext, step: Step) -> StepResult:
     """Conditional status write: of two replicas racing, one sets it and the other sees it set."""
     plan, problem = ctx.plan, ctx.plan.problem
-    ctype = str(problem.condition_type) if problem else str(ProblemClass.XID)
-    reason = "ContactSupport" if plan.escalated else (problem.event_reason if problem else "RescueRequest")
+    ctype, status = target(step.spec, problem)
+    default_reason = "ContactSupport" if plan.escalated else (problem.event_reason if problem else "RescueRequest")
+    reason = step.spec.reason or default_reason
     message = event_message(ctx.incident) if ctx.incident else f"rescue request {plan.flow_key}"
+    key = conditions.effect_key(ctype, status)
     view = ctx.view
-    for _ in range(50):
+    for _ in range(_ATTEMPTS):
         current = view.condition(ctype)
-        if current and current.get("status") == "True" and current.get("reason") == reason:
-            return StepResult(Outcome.ALREADY_APPLIED, f"{ctype}=True already set")
+        already = current is not None and current.get("status") == status
+        if already and ctype not in OWN_CONDITION_TYPES and not view.ledger.owners(key):
+            # Another tool (or a person) already says so: theirs to clear, never ours to undo.
+            return StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set by someone else; not owned")
+        if already and current is not None and current.get("reason") == reason:
+            return StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set", owns=(key,))
         try:
             written = await effects.set_condition(
-                ctx.kube, plan.node, ctype, True, reason, message, view.resource_version
+                ctx.kube, plan.node, ctype, status, reason, message, view.resource_version, current
             )
         except Conflict:
             fresh = await ctx.writer.read(plan.node)
@@ -38,15 +72,52 @@ async def run(ctx: StepContext, step: Step) -> StepResult:
             view = fresh
             continue
         ctx.view = NodeView.from_object(written)
-        return StepResult(Outcome.APPLIED, f"{ctype}=True ({reason})", owns=(condition_effect_key(ctype),))
+        return StepResult(Outcome.APPLIED, f"{ctype}={status} ({reason})", owns=(key,))
     raise KubeUnavailable(f"node {plan.node}: condition kept conflicting")
+
+
+def restorations(view: NodeView, owned: Iterable[str], message: str) -> list[dict[str, Any]]:
+    """The conditions undo writes back (pure): each owned entry (``GpuXid``, ``AcceleratedHardwareReady=False``)
+    whose condition still has the status xidflow set gets the healthy status; the rest are left alone."""
+    out: list[dict[str, Any]] = []
+    now = effects.now_rfc3339()
+    for entry in owned:
+        ctype, set_status = conditions.parse_owned(entry)
+        current = view.condition(ctype)
+        if current is None or current.get("status") != set_status:
+            continue  # already healthy, or someone else changed it since: not ours to overwrite
+        out.append(
+            conditions.next_condition(
+                current, ctype, conditions.recovered_status(set_status), conditions.RECOVERED_REASON, message, now
+            )
+        )
+    return out
+
+
+async def restore(kube: Kube, view: NodeView, owned: Iterable[str], message: str) -> list[str]:
+    """Undo: put back every owned condition in one conditional status patch; the types written."""
+    entries = list(owned)
+    for _ in range(_ATTEMPTS):
+        writes = restorations(view, entries, message)
+        if not writes:
+            return []
+        body = {"metadata": {"resourceVersion": view.resource_version}, "status": {"conditions": writes}}
+        try:
+            await kube.patch_node_status(view.name, body)
+        except Conflict:
+            view = NodeView.from_object(await kube.get_node(view.name))
+            continue
+        return [str(c["type"]) for c in writes]
+    raise KubeUnavailable(f"node {view.name}: conditions kept conflicting")
 
 
 ACTION = ActionDef(
     name="condition",
     kind=Kind.INSTANT,
-    owns="the NodeCondition of the problem class",
-    undo="set the condition False (XidflowRecovered)",
-    effect_key=lambda spec, settings, problem: condition_effect_key(problem.condition_type) if problem else None,
+    attrs=frozenset({"condition_type", "status", "reason"}),
+    owns="the NodeCondition it set: the problem's own type, or the policy's type when xidflow changed it",
+    undo="put the healthy status back (own types False, XidflowRecovered; a type set False/Unknown True), "
+    "while it still says what xidflow set",
+    effect_key=_effect_key,
     run=run,
 )
