@@ -260,7 +260,8 @@ class _Actuator:
         plan = plan_incident(incident, self.config.policies, node.current(), self.settings, now)
         fault = incident.signature
         if plan.skip_reason:
-            self.sim.skipped.append({"node": incident.node, "incident": flow, "at": iso(now), "reason": plan.skip_reason})
+            self.sim.skipped.append({"node": incident.node, "incident": flow, "at": iso(now),
+                                     "reason": plan.skip_reason})
             return
         ledger = node.ledger
         ledger.open_flow(flow, {"rule": plan.rule}, now, rev=incident.revision, replace=True)
