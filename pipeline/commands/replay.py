@@ -65,6 +65,8 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
         except TimeoutError:
             raise KafkaConnectionError(f"no answer within {timeout_s:g}s") from None
         present = await consumer.topics()
+        if any(t in present and not consumer.partitions_for_topic(t) for t in topics):
+            await consumer._client.force_metadata_update()  # topics() fetched metadata apart from the client's
         tps: list[TopicPartition] = []
         for topic in topics:
             if topic not in present:
