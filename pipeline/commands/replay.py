@@ -103,8 +103,8 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
                     RawLog(m.topic, m.partition, m.offset, m.key, m.value, m.timestamp, tuple(m.headers or ()))
                     for m in (kept[i] for i in wanted)
                 ]
-                if msgs[-1].offset + 1 >= ends[tp] or len(kept) < len(msgs):
-                    todo.pop(tp, None)  # at the end offset taken at the start, or past --until
+                if msgs[-1].offset + 1 >= ends[tp]:
+                    todo.pop(tp, None)  # at the end offset taken at the start (timestamps need not grow)
             for tp in list(todo):
                 if await consumer.position(tp) >= ends[tp]:
                     todo.pop(tp)
@@ -281,6 +281,17 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
             raise click.ClickException(
                 f"cannot read the catalog overrides {catalog_overrides}: {exc.strerror or exc}") from None
     settings = _settings(selector)
+    from pipeline.aggregation import AggregationSettings
+    from pipeline.app import WorkerSettings
+    from pipeline.parse_stage import ParseSettings
+    from pipeline.settings import TopicNames
+
+    # Every setting is read (and refused with its variable named) before anything connects.
+    topics = TopicNames()
+    common: dict[str, Any] = {
+        "actuator": settings, "aggregation": AggregationSettings(), "parse": ParseSettings(), "topics": topics,
+        "tick_interval_s": WorkerSettings().tick_interval_s, "fleet_size": fleet_size,
+    }
     baseline = _load_policy(baseline_policy, "baseline policy") if baseline_policy else None
     baseline_source = f"the policy file {baseline_policy} (--baseline-policy)" if baseline_policy else ""
     cluster = ClusterView()
@@ -298,12 +309,6 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
             why = "--no-cluster" if no_cluster else "the cluster's policies could not be read"
             baseline_source = f"the built-in default policy (quarantine per the catalog), as {why}"
 
-    from pipeline.aggregation import AggregationSettings
-    from pipeline.app import WorkerSettings
-    from pipeline.parse_stage import ParseSettings
-    from pipeline.settings import TopicNames
-
-    topics = TopicNames()
     bootstrap = os.environ.get("KAFKA_BOOTSTRAP_SERVERS")
     with sentences(kafka_note=" Nothing was read, nothing was changed."):
         history = asyncio.run(read_history(
@@ -313,10 +318,7 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
     if not history.topics:
         raise click.ClickException(
             f"none of the raw topics exists on Kafka ({', '.join(topics.raw_inputs)}); is XIDFLOW_TOPIC_PREFIX right?")
-    common: dict[str, Any] = {
-        "actuator": settings, "aggregation": AggregationSettings(), "parse": ParseSettings(), "topics": topics,
-        "tick_interval_s": WorkerSettings().tick_interval_s, "fleet_labels": cluster.labels, "fleet_size": fleet_size,
-    }
+    common["fleet_labels"] = cluster.labels
     with sentences():
         records = list(core.merged(history.partitions))
         cand = core.simulate(records, core.ReplayConfig(policies=candidate, catalog_overrides=catalog_overrides,

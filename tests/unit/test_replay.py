@@ -231,3 +231,10 @@ def test_kafka_down_is_a_sentence(policy_file) -> None:  # noqa: ANN001
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "cannot reach Kafka at 127.0.0.1:" in result.output
     assert "Nothing was read, nothing was changed" in result.output
+
+
+def test_an_invalid_setting_is_named_before_anything_connects(policy_file) -> None:  # noqa: ANN001
+    result = _invoke(["--policy", str(policy_file), "--since", "7d", "--no-cluster"],
+                     XIDFLOW_AGG_DEBOUNCE_WINDOW_S="soon")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "XIDFLOW_AGG_DEBOUNCE_WINDOW_S" in result.output and "Kafka" not in result.output
