@@ -175,6 +175,7 @@ NODE_COLUMNS = [
     Column("rules", lambda r: joined(r["rules"])),
     Column("faults", lambda r: joined(r["faults"]), wide_only=True),
     Column("incidents", lambda r: str(r["incidents"]), wide_only=True),
+    Column("recovered", lambda r: str(r["recovered"]), wide_only=True),
 ]
 ACTION_COLUMNS = [
     Column("action", lambda r: str(r["action"])),

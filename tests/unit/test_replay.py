@@ -57,6 +57,16 @@ class Log:
             self.records.append(core.RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value,
                                             int(at * 1000)))
 
+    def health(self, node: str, boot_id: str, ts: float) -> None:
+        from datetime import UTC, datetime
+
+        from schemas.records import HealthCheckResult
+
+        value = HealthCheckResult(node=node, check="gpu_count", passed=True, message="ok", boot_id=boot_id,
+                                  ts=datetime.fromtimestamp(ts, UTC)).to_bytes()
+        self.records.append(core.RawLog("gpu.health.checks", 0, len(self.records), node.encode(), value,
+                                        int(ts * 1000)))
+
     def noise(self, node: str, ts: float) -> None:
         value = orjson.dumps({"priority": 6, "sec": 1, "usec": 0, "msg": "eth0: link up", "@timestamp": ts})
         self.records.append(core.RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value, int(ts * 1000)))
@@ -238,3 +248,21 @@ def test_an_invalid_setting_is_named_before_anything_connects(policy_file) -> No
                      XIDFLOW_AGG_DEBOUNCE_WINDOW_S="soon")
     assert result.exit_code == 1 and "Traceback" not in result.output
     assert "XIDFLOW_AGG_DEBOUNCE_WINDOW_S" in result.output and "Kafka" not in result.output
+
+
+def test_a_node_recovered_after_its_reboot_no_longer_counts_for_the_breaker() -> None:
+    def history(reboot: bool) -> list[core.RawLog]:
+        log = Log()
+        log.health("node-0", "boot-1", T0 - 1000)
+        log.kmsg("node-0", X79, T0 - 900)
+        if reboot:
+            log.health("node-0", "boot-2", T0 - 500)  # a new boot id with passing checks: recovered
+        log.kmsg("node-1", X79, T0 - 100)
+        return log.records
+
+    settings = ActuatorSettings(breaker_max_share=0.5, breaker_window_seconds=300)
+    recovered = run(history(True), PolicySet(), fleet_size=2, actuator=settings)
+    assert [r["node"] for r in recovered.recovered] == ["node-0"] and recovered.trips == []
+    assert {t.node for t in recovered.taken if t.action == "cordon"} == {"node-0", "node-1"}
+    still = run(history(False), PolicySet(), fleet_size=2, actuator=settings)
+    assert [t.tripped_by for t in still.trips] == ["node-1"]
