@@ -237,6 +237,7 @@ class _Actuator:
         self.nodes: dict[str, _Node] = {}
         self.breaker: dict[str, Any] = {}
         self.trip: Trip | None = None
+        self._quarantined: set[str] = set()
 
     def node(self, name: str) -> _Node:
         found = self.nodes.get(name)
@@ -248,7 +249,14 @@ class _Actuator:
         return found
 
     def quarantined(self) -> frozenset[str]:
-        return frozenset(n for n, node in self.nodes.items() if quarantined_by_xidflow(node.as_object()))
+        """Nodes xidflow has quarantined now (what the breaker reads from the cluster)."""
+        return frozenset(self._quarantined)
+
+    def _note(self, node: _Node) -> None:
+        if quarantined_by_xidflow(node.as_object()):
+            self._quarantined.add(node.view.name)
+        else:
+            self._quarantined.discard(node.view.name)
 
     def incident(self, incident: NodeIncident, now: float) -> None:
         self.sim.incidents += 1
@@ -271,7 +279,7 @@ class _Actuator:
         for step in plan.steps:
             if ledger.is_done(flow, step.key):
                 continue
-            if refused is None and step.quarantining and node.view.name not in self.quarantined():
+            if refused is None and step.quarantining and node.view.name not in self._quarantined:
                 refused = self._admit(node.view.name, incident, now)
             if refused is not None and not step.action.allowed_when_breaker_open:
                 continue
@@ -319,6 +327,7 @@ class _Actuator:
         elif step.effect:
             ledger.own(step.effect, flow)
         ledger.mark_done(flow, step.key, now)
+        self._note(node)
 
     def recovered(self, recovered: NodeRecovered, now: float) -> None:
         node = self.nodes.get(recovered.node)
@@ -336,6 +345,7 @@ class _Actuator:
             unschedulable=False if undo.uncordon else node.view.unschedulable,
             taints=tuple(t for t in node.view.taints if (t.get("key"), t.get("effect")) not in remove),
         )
+        self._note(node)
         self.sim.recovered.append({"node": recovered.node, "incident": recovered.incident_id, "at": iso(now),
                                    "reason": recovered.reason})
 

@@ -274,6 +274,8 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
         raise click.ClickException(f"bad --since/--until: {exc}.") from None
     candidate = _load_policy(policy_file, "policy")
     if catalog_overrides is not None:
+        if not os.path.isfile(catalog_overrides):
+            raise click.ClickException(f"cannot read the catalog overrides {catalog_overrides}: no such file")
         try:
             Catalog.load(overrides=catalog_overrides)
         except CatalogError as exc:

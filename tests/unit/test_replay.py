@@ -266,3 +266,13 @@ def test_a_node_recovered_after_its_reboot_no_longer_counts_for_the_breaker() ->
     assert {t.node for t in recovered.taken if t.action == "cordon"} == {"node-0", "node-1"}
     still = run(history(False), PolicySet(), fleet_size=2, actuator=settings)
     assert [t.tripped_by for t in still.trips] == ["node-1"]
+
+
+def test_invalid_catalog_overrides_are_a_sentence(policy_file, tmp_path) -> None:  # noqa: ANN001
+    bad = tmp_path / "catalog.yaml"
+    bad.write_text("xid:\n  13:\n    action: EXPLODE\n")
+    result = _invoke(["--policy", str(policy_file), "--since", "7d", "--catalog-overrides", str(bad)])
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert f"the catalog overrides {bad} are invalid: xid 13: action" in result.output
+    missing = _invoke(["--policy", str(policy_file), "--since", "7d", "--catalog-overrides", str(tmp_path / "no")])
+    assert missing.exit_code == 1 and "cannot read the catalog overrides" in missing.output
