@@ -525,7 +525,7 @@ def report(
         "catalog": catalog,
         "fleet": {"size": candidate.fleet_size, "source": candidate.fleet_source},
         "history": {
-            "records": candidate.records,
+            "records_replayed": candidate.records,
             "outside_window": candidate.outside_window,
             "first": iso(candidate.first_ts),
             "last": iso(candidate.last_ts),
