@@ -25,6 +25,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "breaker": ("pipeline.commands.status:breaker", "Show or reset the quarantine circuit breaker."),
     "bench": ("pipeline.commands.bench:bench", "Measure throughput and latency against a baseline."),
     "demo": ("pipeline.commands.demo:demo", "Run the end-to-end demo on the embedded default."),
+    "replay": ("pipeline.commands.replay:replay", "What a candidate policy would have done on the retained logs."),
 }
 
 
