@@ -164,6 +164,7 @@ class LiveEffector:
             incident=ctx.incident,
             drains=self.drains,
             policies=self.policies,
+            breaker=self.breaker,
         )
 
     # -- groups -------------------------------------------------------------------------------------------
@@ -472,5 +473,9 @@ class LiveEffector:
                 for ctype in undo.clear_conditions
             )
         )
+        if undo.delete_device_rules:  # xidflow's DeviceTaintRules (taintDevice): idempotent like the conditions
+            from pipeline.actuator.actions.taint_device import delete_rules
+
+            done["device_rules_deleted"] = await delete_rules(self.kube, undo.delete_device_rules)
         await self.writer.update(view.name, mutate, f"undo {flow}")
         return StepResult(Outcome.APPLIED, reason, done)

@@ -70,6 +70,11 @@ class ActionSpec(_Model):
     webhook_url: str | None = Field(default=None, alias="webhookUrl")
     job_template: dict[str, Any] | None = Field(default=None, alias="jobTemplate")
     uncordon_after: bool = Field(default=False, alias="uncordonAfter")
+    # taintDevice
+    max_tainted_devices: int | None = Field(
+        default=None, ge=0, alias="maxTaintedDevices",
+        description="taintDevice: GPUs of one node xidflow may taint (default 2); one more cordons the node",
+    )
 
     @model_validator(mode="after")
     def _check_attrs(self) -> ActionSpec:
@@ -95,6 +100,8 @@ class ActionSpec(_Model):
                 raise ValueError(f"forceNamespaces: {namespace!r} is not a namespace name")
         if self.key is not None and not is_taint_key(self.key):
             raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
+        if self.name == "taintDevice" and self.effect == "PreferNoSchedule":
+            raise ValueError("effect: a device taint is NoSchedule or NoExecute (PreferNoSchedule is for nodes)")
         return self
 
 

@@ -22,7 +22,6 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pipeline.localinfra import procs
 from pipeline.localinfra.install import Log, ensure_controlplane
 
-
 # Dynamic Resource Allocation device taints (KEP-5055), so per-GPU quarantine (``taintDevice``) runs
 # against the real API. In 1.36 ResourceSlice is served at resource.k8s.io/v1 by default and
 # DRADeviceTaints is beta and on by default, but DeviceTaintRule is served only at
