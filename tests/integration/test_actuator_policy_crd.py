@@ -251,13 +251,15 @@ async def _in_force(store: PolicyStore, rule: str, actions: list[str]) -> bool:
 # -- the ValidatingAdmissionPolicy shipped with the CRDs ---------------------------------------------------
 BAD_FOR_ADMISSION = [
     ([{"name": "drain", "hook": "job"}], "only valid for reboot"),
-    ([{"name": "cordon", "key": "x"}], "only valid for the quarantine and taint actions"),
+    ([{"name": "cordon", "key": "x"}], "only valid for the quarantine, taint and taintDevice actions"),
     ([{"name": "cordon", "timeout": 5}], "timeout: only valid for drain"),
     ([{"name": "reboot", "jobTemplate": {"spec": {}}}], "jobTemplate: not allowed"),
     ([{"name": "drain", "forceAfter": 30}], "forceNamespaces: required with forceAfter"),
     ([{"name": "drain", "forceAfter": 30, "forceNamespaces": ["Not_A_Namespace"]}], "must be a namespace name"),
     ([{"name": "taint", "key": "bad key!"}], "not a valid taint key"),
     ([{"name": "event", "gracePeriodCap": 3}], "only valid for drain"),
+    ([{"name": "cordon", "maxTaintedDevices": 2}], "maxTaintedDevices: only valid for taintDevice"),
+    ([{"name": "taintDevice", "effect": "PreferNoSchedule"}], "a device taint is NoSchedule or NoExecute"),
 ]
 
 
