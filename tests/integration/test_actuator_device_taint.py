@@ -167,3 +167,39 @@ async def test_without_resource_slices_it_falls_back_to_the_node_cordon(env: Env
     assert await rules_of(env, node) == []
     (reason,) = step_reasons(await env.audit(), node, "taintDevice")
     assert "no ResourceSlice" in reason and "node quarantine" in reason
+
+
+async def test_the_shipped_rbac_is_enough_for_taint_device(env: Env, kubeconfig: str) -> None:
+    """As the actuator's ServiceAccount with deploy/rbac/actuator.yaml and nothing more."""
+    from pipeline.actuator.app import Actuator
+    from pipeline.settings import KafkaSettings
+    from tests.integration.test_actuator_rbac import (
+        apply_docs,
+        delete_cluster_rbac,
+        service_account_kube,
+        shipped_rbac,
+    )
+
+    (node,) = await env.make_nodes(1)
+    slices = [await publish_slices(env, node)]
+    cluster_name = env.unique("xidflow-actuator")
+    docs = shipped_rbac(env.namespace, cluster_name)
+    try:
+        await apply_docs(env.kube, docs)
+        sa = next(d for d in docs if d["kind"] == "ServiceAccount")["metadata"]["name"]
+        sa_kube = await service_account_kube(env.kube, kubeconfig, env.namespace, sa)
+        act = Actuator(env.settings(worker_id="sa"), KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=env.bootstrap),
+                       env.topics, kubeconfig, per_gpu_policy())
+        act.kube.close()
+        act.kube = sa_kube
+        act.engine.kube = act.breaker.kube = act.drains.kube = act.policies.kube = sa_kube
+        await act.start(consume=False)
+        env.actuators.append(act)
+        await act.engine.handle(gpu_incident(node, "inc-sa"))
+        assert len(await rules_of(env, node)) == 1
+        assert not (await env.node(node))["spec"].get("unschedulable")
+        await act.engine.handle(NodeRecovered(incident_id="inc-sa", node=node, reason="quiet"))
+        assert await rules_of(env, node) == []
+    finally:
+        await delete_cluster_rbac(env.kube, cluster_name)
+        await cleanup(env, slices, [])
