@@ -75,6 +75,10 @@ class ActionSpec(_Model):
         default=None, ge=0, alias="maxTaintedDevices",
         description="taintDevice: GPUs of one node xidflow may taint (default 2); one more cordons the node",
     )
+    per_gpu: bool = Field(
+        default=False, alias="perGpu",
+        description="quarantine: take the faulty GPU out (taintDevice) instead of cordoning and tainting the node",
+    )
 
     @model_validator(mode="after")
     def _check_attrs(self) -> ActionSpec:
@@ -100,8 +104,10 @@ class ActionSpec(_Model):
                 raise ValueError(f"forceNamespaces: {namespace!r} is not a namespace name")
         if self.key is not None and not is_taint_key(self.key):
             raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
-        if self.name == "taintDevice" and self.effect == "PreferNoSchedule":
+        if (self.name == "taintDevice" or self.per_gpu) and self.effect == "PreferNoSchedule":
             raise ValueError("effect: a device taint is NoSchedule or NoExecute (PreferNoSchedule is for nodes)")
+        if self.name == "quarantine" and self.max_tainted_devices is not None and not self.per_gpu:
+            raise ValueError("maxTaintedDevices: only meaningful with perGpu")
         return self
 
 

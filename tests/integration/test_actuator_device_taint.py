@@ -203,3 +203,26 @@ async def test_the_shipped_rbac_is_enough_for_taint_device(env: Env, kubeconfig:
     finally:
         await delete_cluster_rbac(env.kube, cluster_name)
         await cleanup(env, slices, [])
+
+
+async def test_quarantine_per_gpu_follows_the_catalog(env: Env) -> None:
+    """A catch-all ``quarantine`` with ``perGpu``: the GPU for a GPU fault, nothing for an application error."""
+    (node,) = await env.make_nodes(1)
+    slices = [await publish_slices(env, node)]
+    policy = load_yaml_text(
+        "kind: RescuePolicy\nmetadata: {name: q}\nspec:\n  rules:\n"
+        "  - {name: q, priority: 10, actions: [{name: quarantine, perGpu: true}]}\n"
+    )
+    act = await env.actuator(policy)
+    try:
+        await act.engine.handle(make_incident(node, "inc-13", code=13, action=Action.RESTART_APP))
+        assert await rules_of(env, node) == []
+        await act.engine.handle(gpu_incident(node, "inc-48"))
+        (rule,) = await rules_of(env, node)
+        assert rule["spec"]["deviceSelector"]["device"] == "gpu-3"
+        assert rule["spec"]["taint"]["effect"] == "NoSchedule"
+        n = await env.node(node)
+        assert not n["spec"].get("unschedulable")
+        assert [c for c in n["status"]["conditions"] if c["type"] == "GpuEcc" and c["status"] == "True"]
+    finally:
+        await cleanup(env, slices, [])

@@ -260,6 +260,8 @@ BAD_FOR_ADMISSION = [
     ([{"name": "event", "gracePeriodCap": 3}], "only valid for drain"),
     ([{"name": "cordon", "maxTaintedDevices": 2}], "maxTaintedDevices: only valid for taintDevice"),
     ([{"name": "taintDevice", "effect": "PreferNoSchedule"}], "a device taint is NoSchedule or NoExecute"),
+    ([{"name": "cordon", "perGpu": True}], "perGpu: only valid for quarantine"),
+    ([{"name": "quarantine", "maxTaintedDevices": 2}], "maxTaintedDevices: only valid for taintDevice"),
 ]
 
 

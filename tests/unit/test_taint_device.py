@@ -165,3 +165,26 @@ def test_policy_accepts_taint_device_with_its_attributes_and_refuses_the_rest() 
         load_yaml_text(policy("{name: cordon, maxTaintedDevices: 3}"))
     with pytest.raises(PolicyError, match="maxTaintedDevices"):
         load_yaml_text(policy("{name: taintDevice, maxTaintedDevices: -1}"))
+
+
+def test_quarantine_per_gpu_expands_to_taint_device_for_quarantining_incidents_only() -> None:
+    from pipeline.actuator.plan import expand_actions
+    from schemas.records import Action
+
+    rule = load_yaml_text(policy("{name: quarantine, perGpu: true, effect: NoExecute, maxTaintedDevices: 3}")).rules[0]
+    specs = expand_actions(rule, incident(code=48, action=Action.RESET_GPU))
+    assert [s.name for s in specs] == ["taintDevice", "condition", "event"]
+    assert specs[0].effect == "NoExecute" and specs[0].max_tainted_devices == 3
+    assert [s.name for s in expand_actions(rule, incident(code=13, action=Action.RESTART_APP))] == ["event"]
+    plain = load_yaml_text(policy("{name: quarantine}")).rules[0]
+    node_wide = expand_actions(plain, incident(code=48, action=Action.RESET_GPU))
+    assert [s.name for s in node_wide][:2] == ["cordon", "taint"]
+
+
+def test_per_gpu_attributes_are_refused_where_they_mean_nothing() -> None:
+    with pytest.raises(PolicyError, match="perGpu"):
+        load_yaml_text(policy("{name: cordon, perGpu: true}"))
+    with pytest.raises(PolicyError, match="maxTaintedDevices"):
+        load_yaml_text(policy("{name: quarantine, maxTaintedDevices: 2}"))
+    with pytest.raises(PolicyError, match="effect"):
+        load_yaml_text(policy("{name: quarantine, perGpu: true, effect: PreferNoSchedule}"))
