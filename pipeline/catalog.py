@@ -22,7 +22,8 @@ Point ``XIDFLOW_CATALOG_OVERRIDES`` at the file (see :class:`CatalogSettings`) o
 
 Lookups (all return a :class:`Classification`, never raise):
 :meth:`Catalog.xid`, :meth:`Catalog.sxid`, :meth:`Catalog.recovery_action`, :meth:`Catalog.nvlink5`,
-:meth:`Catalog.signal`, :meth:`Catalog.health_check`.
+:meth:`Catalog.signal`, :meth:`Catalog.health_check`; :meth:`Catalog.scope` says whether a fault takes out one GPU
+or the whole node (the ``scope`` column, default ``defaults.scope``: node).
 
 The catalog is the single source of truth for an Xid's behaviour: besides the action it says which
 codes are sticky (the aggregator escalates their repeats), which follow a decision flow (``workflow``:
@@ -107,6 +108,9 @@ Problem = Literal["xid", "ecc", "nvlink", "count", "sxid", "fell_off_bus"]
 ``fell_off_bus`` is ``GpuFellOffBus`` (Xid 79 and the Xid-less fallen-off-bus lines), ``count`` a GPU
 missing for another reason (``GpuCount``)."""
 
+Scope = Literal["gpu", "node"]
+"""What a fault takes out: ``gpu`` one device (per-GPU quarantine may taint just it), ``node`` the node."""
+
 
 class _Entry(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -120,6 +124,7 @@ class _Entry(BaseModel):
     workflow: Workflow = ""
     problem: Problem | None = None
     xid: int | None = Field(default=None, description="Signals: the Xid code this signal is the same fault as")
+    scope: Scope | None = Field(default=None, description="gpu | node; unset: defaults.scope")
     source: str = ""
     note: str = ""
 
@@ -133,6 +138,7 @@ class _SXidEntry(BaseModel):
     action: Action
     severity: Severity
     note: str = ""
+    scope: Scope | None = None
 
 
 class _Defaults(BaseModel):
@@ -143,6 +149,8 @@ class _Defaults(BaseModel):
     unknown_sxid_fatal: _Entry | None = None
     unknown_sxid_nonfatal: _Entry | None = None
     unknown_recovery_action: _Entry
+    scope: Scope = "node"
+    """Scope of every row that names none (and of unknown codes): the whole node, the conservative answer."""
 
 
 class _Nvlink5(BaseModel):
@@ -323,6 +331,24 @@ class Catalog:
         if entry is not None and entry.problem:
             return entry.problem
         return "xid"
+
+    def scope(self, kind: str, code: int | None = None) -> Scope:
+        """What the fault takes out: ``gpu`` (one device) or ``node``, from the row's ``scope`` column.
+
+        Xid and SXid rows by code, signals by kind, failed node checks by check name (pass it as
+        ``code``-less ``kind="health_check:<check>"``); a row without ``scope`` and anything unknown get
+        ``defaults.scope``.
+        """
+        entry: _Entry | _SXidEntry | None
+        if kind == "xid":
+            entry = self._xid.get(code) if code is not None else None
+        elif kind == "sxid":
+            entry = self._sxid.get(code) if code is not None else None
+        elif kind.startswith("health_check:"):
+            entry = self._health.get(kind.split(":", 1)[1])
+        else:
+            entry = self._signals.get(kind)
+        return (entry.scope if entry is not None else None) or self._defaults.scope
 
     def health_problem(self, check: str) -> str:
         """The condition class of a failed node check (``gpu_count`` -> count, ``nvlink`` -> nvlink, ...)."""

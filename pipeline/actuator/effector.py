@@ -165,6 +165,7 @@ class LiveEffector:
             incident=ctx.incident,
             drains=self.drains,
             policies=self.policies,
+            breaker=self.breaker,
         )
 
     # -- groups -------------------------------------------------------------------------------------------
@@ -466,5 +467,9 @@ class LiveEffector:
         # Conditions first: they are idempotent, and the ledger write below is what marks the undo done,
         # so a crash in between replays the whole undo instead of leaving a condition behind.
         await condition_action.restore(self.kube, view, undo.clear_conditions, f"{flow} recovered: {reason}")
+        if undo.delete_device_rules:  # xidflow's DeviceTaintRules (taintDevice): idempotent like the conditions
+            from pipeline.actuator.actions.taint_device import delete_rules
+
+            done["device_rules_deleted"] = await delete_rules(self.kube, undo.delete_device_rules)
         await self.writer.update(view.name, mutate, f"undo {flow}")
         return StepResult(Outcome.APPLIED, reason, done)

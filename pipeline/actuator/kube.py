@@ -354,3 +354,32 @@ class Kube:
         finally:
             with contextlib.suppress(Exception):
                 response.close()
+
+    # -- any cluster-scoped API object by group/version/plural (built-in groups too: resource.k8s.io) -----
+    async def list_cluster_objects_all(
+        self, group: str, version: str, plural: str, *, label_selector: str = "", field_selector: str = "",
+        limit: int = 500,
+    ) -> list[dict[str, Any]]:
+        """Every object of a cluster-scoped resource matching the selectors, page by page."""
+        items: list[dict[str, Any]] = []
+        token: str | None = None
+        while True:
+            kw: dict[str, Any] = {"label_selector": label_selector, "field_selector": field_selector, "limit": limit}
+            if token:
+                kw["_continue"] = token
+            page = await self._call(self.custom.list_cluster_custom_object, group, version, plural, **kw)
+            items += page.get("items") or []
+            token = (page.get("metadata") or {}).get("continue")
+            if not token:
+                return items
+
+    async def get_cluster_object(self, group: str, version: str, plural: str, name: str) -> dict[str, Any]:
+        return await self._call(self.custom.get_cluster_custom_object, group, version, plural, name)
+
+    async def create_cluster_object(
+        self, group: str, version: str, plural: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        return await self._call(self.custom.create_cluster_custom_object, group, version, plural, body)
+
+    async def delete_cluster_object(self, group: str, version: str, plural: str, name: str) -> None:
+        await self._call(self.custom.delete_cluster_custom_object, group, version, plural, name)

@@ -12,6 +12,7 @@ from typing import Any
 
 from pipeline.actuator import actions
 from pipeline.actuator.actions import Kind
+from pipeline.actuator.actions.taint_device import EFFECT_PREFIX as DEVICE_RULE_EFFECT_PREFIX
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, request_flow_key
 from pipeline.actuator.policy import ActionSpec, PolicySet, Rule
@@ -236,6 +237,8 @@ class UndoPlan:
     clear_conditions: tuple[str, ...]
     disown: tuple[str, ...]
     """Every effect key the flow stops owning (some stay because another flow still owns them)."""
+    delete_device_rules: tuple[str, ...] = ()
+    """Names of xidflow's DeviceTaintRules to delete (taintDevice)."""
 
 
 def plan_recovery(recovered: NodeRecovered, node: NodeView) -> UndoPlan:
@@ -248,6 +251,7 @@ def plan_recovery_for(flow: str, node: NodeView) -> UndoPlan:
     uncordon = False
     taints: list[tuple[str, str]] = []
     conditions: list[str] = []
+    rules: list[str] = []
     mine = ledger.effects_owned_by(flow)
     for effect in mine:
         if ledger.owners(effect) != [flow]:
@@ -260,4 +264,6 @@ def plan_recovery_for(flow: str, node: NodeView) -> UndoPlan:
             taints.append((key, eff))
         elif effect.startswith("condition:"):
             conditions.append(effect.split(":", 1)[1])
-    return UndoPlan(flow, node.name, uncordon, tuple(taints), tuple(conditions), tuple(mine))
+        elif effect.startswith(DEVICE_RULE_EFFECT_PREFIX):
+            rules.append(effect.removeprefix(DEVICE_RULE_EFFECT_PREFIX))
+    return UndoPlan(flow, node.name, uncordon, tuple(taints), tuple(conditions), tuple(mine), tuple(rules))

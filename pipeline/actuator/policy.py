@@ -84,6 +84,15 @@ class ActionSpec(_Model):
     @classmethod
     def _status_text(cls, value: Any) -> Any:
         return conditions.status_text(value) if isinstance(value, bool) else value
+    # taintDevice
+    max_tainted_devices: int | None = Field(
+        default=None, ge=0, alias="maxTaintedDevices",
+        description="taintDevice: GPUs of one node xidflow may taint (default 2); one more cordons the node",
+    )
+    per_gpu: bool = Field(
+        default=False, alias="perGpu",
+        description="quarantine: take the faulty GPU out (taintDevice) instead of cordoning and tainting the node",
+    )
 
     @model_validator(mode="after")
     def _check_attrs(self) -> ActionSpec:
@@ -110,6 +119,10 @@ class ActionSpec(_Model):
         if self.key is not None and not is_taint_key(self.key):
             raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
         self._check_condition()
+        if (self.name == "taintDevice" or self.per_gpu) and self.effect == "PreferNoSchedule":
+            raise ValueError("effect: a device taint is NoSchedule or NoExecute (PreferNoSchedule is for nodes)")
+        if self.name == "quarantine" and self.max_tainted_devices is not None and not self.per_gpu:
+            raise ValueError("maxTaintedDevices: only meaningful with perGpu")
         return self
 
     def _check_condition(self) -> None:

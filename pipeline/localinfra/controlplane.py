@@ -22,6 +22,15 @@ from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 from pipeline.localinfra import procs
 from pipeline.localinfra.install import Log, ensure_controlplane
 
+# Dynamic Resource Allocation device taints (KEP-5055), so per-GPU quarantine (``taintDevice``) runs
+# against the real API. In 1.36 ResourceSlice is served at resource.k8s.io/v1 by default and
+# DRADeviceTaints is beta and on by default, but DeviceTaintRule is served only at
+# resource.k8s.io/v1beta2 (and v1alpha3), off by default, behind the beta gate DRADeviceTaintRules.
+DRA_FLAGS = (
+    "--feature-gates=DRADeviceTaints=true,DRADeviceTaintRules=true",
+    "--runtime-config=resource.k8s.io/v1beta2=true",
+)
+
 
 def _write_key(path: Path, key: ec.EllipticCurvePrivateKey | rsa.RSAPrivateKey) -> None:
     path.write_bytes(
@@ -185,7 +194,8 @@ class ControlPlane:
              "--service-cluster-ip-range=10.0.0.0/24", "--authorization-mode=RBAC",
              "--disable-admission-plugins=ServiceAccount", "--allow-privileged=true",
              "--enable-priority-and-fairness=false", "--max-requests-inflight=2000",
-             "--max-mutating-requests-inflight=1000", "--endpoint-reconciler-type=none", "--v=1"],
+             "--max-mutating-requests-inflight=1000", "--endpoint-reconciler-type=none", "--v=1",
+             *DRA_FLAGS],
             api_log, cwd=self.root,
         )
         procs.wait_until(self._ready, timeout, "kube-apiserver", self.api_pid, api_log)

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.localinfra import procs
-from pipeline.localinfra.controlplane import ControlPlane
+from pipeline.localinfra.controlplane import DRA_FLAGS, ControlPlane
 from pipeline.localinfra.install import Log, cache_root
 from pipeline.localinfra.kafka import KafkaCluster
 from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer
@@ -186,6 +186,8 @@ class LocalInfra:
         from testcontainers.k3s import K3SContainer
 
         container = K3SContainer()
+        # The same DRA device-taint API as the local build (per-GPU quarantine); K3s passes them on.
+        container.with_command(" ".join([container._command, *(f"--kube-apiserver-arg={f[2:]}" for f in DRA_FLAGS)]))
         container.start()
         self.containers["k3s"] = container.get_wrapped_container().id
         path = Path(self.state_dir) / "k3s.kubeconfig"

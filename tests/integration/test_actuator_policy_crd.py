@@ -251,7 +251,7 @@ async def _in_force(store: PolicyStore, rule: str, actions: list[str]) -> bool:
 # -- the ValidatingAdmissionPolicy shipped with the CRDs ---------------------------------------------------
 BAD_FOR_ADMISSION = [
     ([{"name": "drain", "hook": "job"}], "only valid for reboot"),
-    ([{"name": "cordon", "key": "x"}], "only valid for the quarantine and taint actions"),
+    ([{"name": "cordon", "key": "x"}], "only valid for the quarantine, taint and taintDevice actions"),
     ([{"name": "cordon", "timeout": 5}], "timeout: only valid for drain"),
     ([{"name": "reboot", "jobTemplate": {"spec": {}}}], "jobTemplate: not allowed"),
     ([{"name": "drain", "forceAfter": 30}], "forceNamespaces: required with forceAfter"),
@@ -263,6 +263,10 @@ BAD_FOR_ADMISSION = [
     ([{"name": "condition", "status": "False"}], "status: required with type"),
     ([{"name": "condition", "type": "Ready", "status": "False"}], "written by the kubelet"),
     ([{"name": "condition", "type": "GpuXid", "status": "False"}], "are True on a fault"),
+    ([{"name": "cordon", "maxTaintedDevices": 2}], "maxTaintedDevices: only valid for taintDevice"),
+    ([{"name": "taintDevice", "effect": "PreferNoSchedule"}], "a device taint is NoSchedule or NoExecute"),
+    ([{"name": "cordon", "perGpu": True}], "perGpu: only valid for quarantine"),
+    ([{"name": "quarantine", "maxTaintedDevices": 2}], "maxTaintedDevices: only valid for taintDevice"),
 ]
 
 

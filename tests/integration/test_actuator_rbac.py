@@ -188,6 +188,9 @@ def actuator_must(home: str, force: list[str]) -> list[tuple[str, str, dict[str,
     for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-rescue-plans"):
         must += [(verb, "configmaps", {"ns": home, "name": configmap}) for verb in ("get", "update")]
     must += [("delete", "pods", {"ns": ns, "name": "p"}) for ns in force]
+    # taintDevice: the node's DRA ResourceSlices, xidflow's DeviceTaintRules
+    must += [(verb, "resourceslices", {"group": "resource.k8s.io"}) for verb in ("get", "list")]
+    must += [(verb, "devicetaintrules", {"group": "resource.k8s.io"}) for verb in ("get", "list", "create", "delete")]
     return must
 
 
@@ -216,6 +219,11 @@ def actuator_must_not(home: str) -> list[tuple[str, str, dict[str, Any]]]:
         ("escalate", "clusterroles", {"group": "rbac.authorization.k8s.io"}),
         ("impersonate", "serviceaccounts", {"ns": home}),
         ("delete", "events", {"ns": "default", "name": "e"}),
+        ("create", "resourceslices", {"group": "resource.k8s.io"}),
+        ("delete", "resourceslices", {"group": "resource.k8s.io", "name": "s"}),
+        ("update", "devicetaintrules", {"group": "resource.k8s.io", "name": "r"}),
+        ("patch", "devicetaintrules", {"group": "resource.k8s.io", "subresource": "status", "name": "r"}),
+        ("create", "resourceclaims", {"group": "resource.k8s.io", "ns": home}),
     ]
 
 

@@ -45,7 +45,7 @@ REGISTRY: dict[str, ActionDef] = _discover()
 
 # Policy order: the macro first, then the rest as an operator reads a flow.
 _ORDER = ("quarantine", "cordon", "taint", "condition", "event", "drain", "reboot", "resetGpu", "enableWarmStandby",
-          "unCordon")
+          "unCordon", "taintDevice")
 ACTION_NAMES: tuple[str, ...] = tuple(n for n in _ORDER if n in REGISTRY) + tuple(
     sorted(n for n in REGISTRY if n not in _ORDER)
 )

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from schemas.records import Outcome
 
 if TYPE_CHECKING:
-    from pipeline.actuator.breaker import DrainSlots
+    from pipeline.actuator.breaker import Breaker, DrainSlots
     from pipeline.actuator.effects import NodeChange
     from pipeline.actuator.kube import Kube
     from pipeline.actuator.nodestate import NodeWriter
@@ -79,6 +79,8 @@ class StepContext:
     incident: NodeIncident | None
     drains: DrainSlots
     policies: PolicyStore
+    breaker: Breaker | None = None
+    """For a step that may take the node out of scheduling on its own (taintDevice's escalation)."""
 
 
 NodeChangeFn = Callable[["NodeView", "Ledger", "Step", "StepContext"], "NodeChange"]

@@ -1,7 +1,8 @@
 """quarantine: what the catalog's action asks of the node.
 
 cordon + taint + condition + event when the fault quarantines; condition + event for ALERT (tell a person
-and repair tooling, keep serving); one event for RESTART_APP; nothing for IGNORE.
+and repair tooling, keep serving); one event for RESTART_APP; nothing for IGNORE. With ``perGpu: true`` a
+quarantine is taintDevice + condition + event: the faulty GPU only, where the catalog and the cluster allow.
 """
 
 from __future__ import annotations
@@ -25,6 +26,11 @@ def expand(spec: ActionSpec, incident: NodeIncident) -> list[ActionSpec]:
         return [] if incident.action is Action.IGNORE else [ActionSpec(name="event")]
     attrs = (("key", spec.key), ("value", spec.value), ("effect", spec.effect))
     taint = {k: v for k, v in attrs if v}
+    if spec.per_gpu:
+        # Per-GPU quarantine: taintDevice takes the one GPU out, or the node when the fault is node-scoped,
+        # the GPU is not published by a DRA driver, or the node has too many tainted (see its module).
+        cap = {"max_tainted_devices": spec.max_tainted_devices} if spec.max_tainted_devices is not None else {}
+        return [ActionSpec(name="taintDevice", **taint, **cap), ActionSpec(name="condition"), ActionSpec(name="event")]
     return [
         ActionSpec(name="cordon"),
         ActionSpec(name="taint", **taint),
@@ -33,4 +39,9 @@ def expand(spec: ActionSpec, incident: NodeIncident) -> list[ActionSpec]:
     ]
 
 
-ACTION = ActionDef(name="quarantine", kind=Kind.MACRO, attrs=frozenset({"key", "value", "effect"}), expand=expand)
+ACTION = ActionDef(
+    name="quarantine",
+    kind=Kind.MACRO,
+    attrs=frozenset({"key", "value", "effect", "per_gpu", "max_tainted_devices"}),
+    expand=expand,
+)

@@ -1,0 +1,345 @@
+"""taintDevice: quarantine one GPU, not the node, with a DRA ``DeviceTaintRule`` (KEP-5055).
+
+A DRA driver publishes each GPU of a node as a device in a ``ResourceSlice`` with the standard
+attribute ``resource.kubernetes.io/pciBusID``; the rule selects the faulty one by driver, pool and
+device name, so the scheduler keeps new claims off it (``NoSchedule``) or the eviction controller
+also evicts the pods using it (``NoExecute``). The node and its other GPUs keep serving.
+
+It escalates to the node quarantine (cordon + taint, as ``cordon`` and ``taint`` do, through the
+circuit breaker) when the catalog scopes the fault to the node (``scope`` column: fallen off the
+bus, Xid 154, NVLink/NVSwitch fabric, unknown codes), when no ResourceSlice of the node publishes
+the PCI bus id (a cluster without DRA, an unknown device) or the API server does not serve
+``DeviceTaintRule``, and when more GPUs of the node would be tainted by xidflow than the policy's
+``maxTaintedDevices``. The step's reason says which.
+
+Rules are named deterministically from (node, PCI bus id, device) and labelled as xidflow's: a
+redelivery finds the rule it created, and undo deletes only the rules the ledger records as xidflow's
+(a rule someone else made is never owned, so never deleted).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import TYPE_CHECKING, Any
+
+from pipeline.actuator import effects
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
+from pipeline.actuator.ownership import CORDON
+from pipeline.catalog import Catalog
+from schemas.records import FaultKind, NodeIncident, Outcome, stable_id
+
+if TYPE_CHECKING:
+    from pipeline.actuator.nodeview import NodeView
+    from pipeline.actuator.ownership import Ledger
+    from pipeline.actuator.plan import Step
+
+GROUP = "resource.k8s.io"
+SLICE_VERSION = "v1"
+"""ResourceSlice: GA, served by default since Kubernetes 1.34."""
+RULE_VERSION = "v1beta2"
+"""DeviceTaintRule: 1.36 serves it at v1beta2 only, behind the beta feature gate DRADeviceTaintRules (off by
+default: ``--feature-gates=DRADeviceTaintRules=true --runtime-config=resource.k8s.io/v1beta2=true``)."""
+SLICES, RULES = "resourceslices", "devicetaintrules"
+PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+"""The standard device attribute DRA drivers publish the PCI address under (``dddd:bb:dd.f``)."""
+MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY_VALUE = "xidflow"
+NODE_LABEL = "xidflow.dev/node"
+PCI_ANNOTATION = "xidflow.dev/pci-bus-id"
+NODE_ANNOTATION = "xidflow.dev/node"
+FLOW_ANNOTATION = "xidflow.dev/flow"
+EFFECT_PREFIX = "devicetaintrule:"
+DEFAULT_MAX_TAINTED_DEVICES = 2
+DEVICE_EFFECTS = ("NoSchedule", "NoExecute")
+
+_BDF = re.compile(r"^(?:pci:)?([0-9a-f]{1,8}):([0-9a-f]{1,2}):([0-9a-f]{1,2})(?:\.([0-7]))?$")
+_LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
+
+
+# -- pure parts ---------------------------------------------------------------------------------------
+def normalise_bdf(address: str) -> str | None:
+    """``dddd:bb:dd.f`` lowercase (function 0 when absent, 8-digit domains folded), or None if not a BDF."""
+    m = _BDF.match(address.strip().lower())
+    if not m:
+        return None
+    domain, bus, dev, fn = m.groups()
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{int(fn or '0')}"
+
+
+def node_label_value(node: str) -> str:
+    """The node's name as a label value; a name that is no valid label value (over 63) becomes a hash."""
+    return node if len(node) <= 63 and _LABEL_VALUE.match(node) else f"h-{stable_id(node)[:32]}"
+
+
+def rule_name(node: str, pci: str, device: DeviceRef) -> str:
+    """Deterministic per (node, PCI bus id, device): every replica and every redelivery names the same rule."""
+    return effects.object_name("xidflow-gpu", node, pci, device.driver, device.pool, device.device, length=20)
+
+
+@dataclass(frozen=True, order=True)
+class DeviceRef:
+    """One device as a DRA driver publishes it: what a DeviceTaintRule's selector names."""
+
+    driver: str
+    pool: str
+    device: str
+
+
+def _attribute(attrs: Mapping[str, Any], name: str) -> str | None:
+    value = attrs.get(name)
+    return value.get("string") if isinstance(value, Mapping) else None
+
+
+def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRef]:
+    """Devices of the node's ResourceSlices whose ``resource.kubernetes.io/pciBusID`` is ``pci``.
+
+    Only each pool's newest generation counts (a driver replaces a pool by publishing a higher one; the
+    older slices are stale until it deletes them). Several devices may share one GPU's address (MIG or
+    partitions): all of them are returned.
+    """
+    wanted = normalise_bdf(pci)
+    newest: dict[tuple[str, str], int] = {}
+    parsed: list[tuple[str, str, int, list[Mapping[str, Any]]]] = []
+    for item in slices:
+        spec = item.get("spec") or {}
+        pool = spec.get("pool") or {}
+        driver, name, gen = str(spec.get("driver", "")), str(pool.get("name", "")), int(pool.get("generation", 0))
+        parsed.append((driver, name, gen, spec.get("devices") or []))
+        newest[(driver, name)] = max(gen, newest.get((driver, name), gen))
+    found: set[DeviceRef] = set()
+    for driver, pool, gen, devices in parsed:
+        if wanted is None or gen != newest[(driver, pool)]:
+            continue
+        for device in devices:
+            address = _attribute(device.get("attributes") or {}, PCI_ATTRIBUTE)
+            if address and normalise_bdf(address) == wanted:
+                found.add(DeviceRef(driver, pool, str(device.get("name", ""))))
+    return sorted(found)
+
+
+def rule_body(
+    name: str, node: str, pci: str, device: DeviceRef, key: str, value: str, effect: str, flow: str
+) -> dict[str, Any]:
+    """The DeviceTaintRule for one device, labelled as xidflow's and annotated with what it quarantines."""
+    return {
+        "apiVersion": f"{GROUP}/{RULE_VERSION}",
+        "kind": "DeviceTaintRule",
+        "metadata": {
+            "name": name,
+            "labels": {MANAGED_BY: MANAGED_BY_VALUE, NODE_LABEL: node_label_value(node)},
+            "annotations": {NODE_ANNOTATION: node, PCI_ANNOTATION: pci, FLOW_ANNOTATION: flow},
+        },
+        "spec": {
+            "deviceSelector": {"driver": device.driver, "pool": device.pool, "device": device.device},
+            "taint": {"key": key, "value": value, "effect": effect},
+        },
+    }
+
+
+def is_ours(rule: Mapping[str, Any]) -> bool:
+    return ((rule.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY) == MANAGED_BY_VALUE
+
+
+def tainted_pcis(rules: Iterable[Mapping[str, Any]]) -> set[str]:
+    """PCI bus ids of the GPUs xidflow's rules quarantine (rules of other tools are not counted)."""
+    return {
+        str(annotations[PCI_ANNOTATION])
+        for r in rules
+        if is_ours(r) and PCI_ANNOTATION in (annotations := (r.get("metadata") or {}).get("annotations") or {})
+    }
+
+
+class Verdict(StrEnum):
+    DEVICE = "device"
+    """Taint the device only."""
+    DEVICE_AND_NODE = "device+node"
+    """Taint the device, and the node is over its cap: cordon it too."""
+    NODE = "node"
+    """No device to taint (node-scoped fault, no DRA, unknown device): the node quarantine."""
+
+
+@dataclass(frozen=True)
+class Decision:
+    verdict: Verdict
+    reason: str
+
+
+def decide(
+    scope: str, what: str, pci: str | None, devices: list[DeviceRef], tainted: set[str], cap: int,
+    rules_served: bool = True,
+) -> Decision:
+    """Device or node quarantine, and why. ``what`` names the fault (``Xid 48``); ``tainted`` are the PCI ids
+    xidflow's rules already quarantine on the node."""
+    if scope != "gpu":
+        return Decision(Verdict.NODE, f"{what} takes out the node (catalog scope {scope}): node quarantine")
+    if not pci:
+        return Decision(Verdict.NODE, f"{what} names no PCI address: node quarantine")
+    if not devices:
+        return Decision(
+            Verdict.NODE,
+            f"no ResourceSlice of the node publishes {PCI_ATTRIBUTE}={pci} (no DRA driver, or an unknown device): "
+            "node quarantine",
+        )
+    if not rules_served:
+        return Decision(Verdict.NODE, f"the API server does not serve {RULES}.{GROUP}/{RULE_VERSION}: node quarantine")
+    count = len(tainted | {pci})
+    if count > cap:
+        return Decision(
+            Verdict.DEVICE_AND_NODE,
+            f"{count} GPUs of the node tainted by xidflow, more than maxTaintedDevices={cap}: node quarantine too",
+        )
+    devs = ", ".join(d.device for d in devices)
+    return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}) tainted; {count} of at most {cap} on the node")
+
+
+def scope_of(incident: NodeIncident | None, catalog: Catalog | None = None) -> str:
+    """The catalog's scope of the incident's fault (node when there is no incident)."""
+    if incident is None:
+        return "node"
+    catalog = catalog or Catalog.configured()
+    if incident.kind == FaultKind.HEALTH_CHECK:
+        check = incident.signature.split(":", 2)[1] if ":" in incident.signature else ""
+        return catalog.scope(f"health_check:{check}")
+    return catalog.scope(incident.kind.value, incident.code)
+
+
+def device_effect(spec_effect: str | None, settings_effect: str) -> str:
+    """The device taint's effect: the rule's, else the node taint's setting (PreferNoSchedule: NoSchedule)."""
+    effect = spec_effect or settings_effect
+    return effect if effect in DEVICE_EFFECTS else "NoSchedule"
+
+
+def effect_key(name: str) -> str:
+    return f"{EFFECT_PREFIX}{name}"
+
+
+# -- the cluster ------------------------------------------------------------------------------------------
+async def node_slices(kube: Kube, node: str) -> list[dict[str, Any]]:
+    """The node's ResourceSlices; none when the API server does not serve them (no DRA)."""
+    try:
+        return await kube.list_cluster_objects_all(GROUP, SLICE_VERSION, SLICES, field_selector=f"spec.nodeName={node}")
+    except NotFound:
+        return []
+
+
+async def node_rules(kube: Kube, node: str) -> list[dict[str, Any]] | None:
+    """xidflow's DeviceTaintRules of the node; None when the API server does not serve DeviceTaintRule."""
+    selector = f"{MANAGED_BY}={MANAGED_BY_VALUE},{NODE_LABEL}={node_label_value(node)}"
+    try:
+        return await kube.list_cluster_objects_all(GROUP, RULE_VERSION, RULES, label_selector=selector)
+    except NotFound:
+        return None
+
+
+async def create_rule(kube: Kube, body: dict[str, Any]) -> tuple[bool, bool]:
+    """(created now, ours): an existing rule of that name is ours only when labelled so."""
+    try:
+        await kube.create_cluster_object(GROUP, RULE_VERSION, RULES, body)
+        return True, True
+    except AlreadyExists:
+        existing = await kube.get_cluster_object(GROUP, RULE_VERSION, RULES, body["metadata"]["name"])
+        return False, is_ours(existing)
+
+
+async def delete_rules(kube: Kube, names: Iterable[str]) -> list[str]:
+    """Delete the named rules (undo: the ledger says they are xidflow's); gone already is fine."""
+    deleted: list[str] = []
+    for name in names:
+        try:
+            await kube.delete_cluster_object(GROUP, RULE_VERSION, RULES, name)
+            deleted.append(name)
+        except NotFound:
+            pass
+    return deleted
+
+
+async def _quarantine_node(ctx: StepContext, step: Step) -> tuple[str, bool]:
+    """Cordon + taint the node as ``cordon`` and ``taint`` do (owned in the ledger), through the breaker.
+
+    Returns what happened and whether the node changed."""
+    plan, spec, settings, problem = ctx.plan, step.spec, ctx.settings, ctx.plan.problem
+    ledger = ctx.view.ledger
+    already = any(owners for e, owners in ledger.owned.items() if e == CORDON or e.startswith("taint:"))
+    if ctx.breaker is not None and not already:
+        admission = await ctx.breaker.admit(plan.node)
+        if not admission.allowed:
+            return f"node quarantine refused: {admission.reason}", False
+    key = spec.key or settings.taint_key
+    value = spec.value or (problem.taint_value if problem else "gpu-fault")
+    effect = spec.effect or settings.taint_effect
+
+    def mutate(view: NodeView, led: Ledger) -> tuple[effects.NodeChange, tuple[str, bool]]:
+        cordon = effects.cordon_change(view, led, plan.flow_key)
+        cur = dataclasses.replace(view, unschedulable=cordon.spec.get("unschedulable", view.unschedulable))
+        taint = effects.taint_change(cur, led, plan.flow_key, key, value, effect)
+        notes = f"{cordon.note or 'cordoned'}; {taint.note or f'tainted {key}:{effect}'}"
+        changed = {**cordon.spec, **taint.spec}
+        return effects.NodeChange(spec=changed), (notes, bool(changed))
+
+    (note, changed), written = await ctx.writer.update(
+        plan.node, mutate, f"{step.key} node quarantine {plan.flow_key}", ctx.view
+    )
+    if written is not None:
+        ctx.view = written
+    return note, changed
+
+
+async def run(ctx: StepContext, step: Step) -> StepResult:
+    plan, spec, settings, incident = ctx.plan, step.spec, ctx.settings, ctx.incident
+    pci = normalise_bdf(incident.pci) if incident is not None and incident.pci else None
+    what = f"{incident.kind.value} {incident.code}" if incident is not None and incident.code is not None else (
+        incident.kind.value if incident is not None else "the request"
+    )
+    scope = scope_of(incident)
+    cap = spec.max_tainted_devices if spec.max_tainted_devices is not None else DEFAULT_MAX_TAINTED_DEVICES
+    devices: list[DeviceRef] = []
+    rules: list[dict[str, Any]] | None = []
+    if scope == "gpu" and pci:
+        devices = find_devices(await node_slices(ctx.kube, plan.node), pci)
+        if devices:
+            rules = await node_rules(ctx.kube, plan.node)
+    decision = decide(scope, what, pci, devices, tainted_pcis(rules or []), cap, rules_served=rules is not None)
+    details: dict[str, Any] = {"scope": scope, "pci": pci, "verdict": decision.verdict.value}
+    owns: list[str] = []
+    created_any = False
+    if decision.verdict in (Verdict.DEVICE, Verdict.DEVICE_AND_NODE):
+        assert pci is not None
+        problem = plan.problem
+        key = spec.key or settings.taint_key
+        value = spec.value or (problem.taint_value if problem else "gpu-fault")
+        effect = device_effect(spec.effect, settings.taint_effect)
+        names = []
+        for device in devices:
+            name = rule_name(plan.node, pci, device)
+            created, ours = await create_rule(
+                ctx.kube, rule_body(name, plan.node, pci, device, key, value, effect, plan.flow_key)
+            )
+            created_any |= created
+            names.append(name)
+            if ours:
+                owns.append(effect_key(name))
+        details["rules"] = names
+        details["devices"] = [dataclasses.asdict(d) for d in devices]
+    reason = decision.reason
+    if decision.verdict in (Verdict.NODE, Verdict.DEVICE_AND_NODE):
+        note, changed = await _quarantine_node(ctx, step)
+        reason = f"{reason} ({note})"
+        created_any |= changed
+        details["node_quarantine"] = note
+    outcome = Outcome.APPLIED if created_any else Outcome.ALREADY_APPLIED
+    return StepResult(outcome, reason, details, owns=tuple(owns))
+
+
+ACTION = ActionDef(
+    name="taintDevice",
+    kind=Kind.INSTANT,
+    attrs=frozenset({"key", "value", "effect", "max_tainted_devices"}),
+    owns="the DeviceTaintRule of the faulty GPU; when it escalates, the node's cordon and taint as cordon/taint",
+    undo="delete the DeviceTaintRule (only xidflow's); lift the escalation's cordon/taint once no open flow owns them",
+    run=run,
+)
