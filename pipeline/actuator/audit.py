@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 
 from pipeline import kafka_clients, metrics
-from schemas.records import NodeIncident, Outcome, RemediationRecord, stable_id, utcnow
+from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")
 
@@ -41,7 +41,11 @@ def make_record(
     started_at: datetime | None = None,
     details: dict[str, Any] | None = None,
 ) -> RemediationRecord:
-    """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe."""
+    """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe.
+
+    A step's ``details["workload"]`` (notifyWorkload) becomes the record's typed ``workload`` field."""
+    details = dict(details or {})
+    workload = details.pop("workload", None)
     return RemediationRecord(
         record_id=stable_id("remediation", node, flow_key, action, outcome.value),
         node=node,
@@ -53,7 +57,8 @@ def make_record(
         finished_at=utcnow(),
         worker_id=worker_id,
         dry_run=dry_run,
-        details=details or {},
+        details=details,
+        workload=WorkloadSummary.model_validate(workload) if workload is not None else None,
     )
 
 

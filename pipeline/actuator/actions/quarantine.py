@@ -1,7 +1,8 @@
 """quarantine: what the catalog's action asks of the node.
 
 cordon + taint + condition + event when the fault quarantines; condition + event for ALERT (tell a person
-and repair tooling, keep serving); one event for RESTART_APP; nothing for IGNORE.
+and repair tooling, keep serving); one event for RESTART_APP; nothing for IGNORE. A quarantine also
+tells the pods on the node (notifyWorkload: pod Events and the GPU-fault pod condition).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def expand(spec: ActionSpec, incident: NodeIncident) -> list[ActionSpec]:
         ActionSpec(name="taint", **taint),
         ActionSpec(name="condition"),
         ActionSpec(name="event"),
+        ActionSpec(name="notifyWorkload"),
     ]
 
 
