@@ -115,7 +115,8 @@ async def _set_pod_condition(kube: Kube, pod: Mapping[str, Any], reason: str, me
 
 async def _tell(
     ctx: StepContext, incident: NodeIncident, pod: Mapping[str, Any], reason: str, on_faulty: bool | None
-) -> tuple[bool, bool]:
+) -> tuple[bool, bool, bool]:
+    """(Event created, condition written, refused by RBAC)."""
     namespace, name = workload.pod_key(pod)
     message = workload.fault_message(incident, on_faulty)
     event = effects.object_name(name[:200], ctx.plan.flow_key, namespace, name, "gpu-fault")
@@ -123,8 +124,10 @@ async def _tell(
         created = await _create_pod_event(ctx.kube, pod, event, message)
         written = await _set_pod_condition(ctx.kube, pod, reason, message)
     except NotFound:  # the pod (or its namespace) went away meanwhile: nothing left to tell
-        return False, False
-    return created, written
+        return False, False, False
+    except Forbidden:  # information only: an RBAC gap is audited, it does not stop the quarantine
+        return False, False, True
+    return created, written, False
 
 
 async def run(ctx: StepContext, step: Step) -> StepResult:
@@ -143,9 +146,12 @@ async def run(ctx: StepContext, step: Step) -> StepResult:
     told = await asyncio.gather(
         *(_tell(ctx, incident, p, reason, workload.on_faulty_gpu(p, claims, faulty)) for p in affected)
     )
-    events, conditions = sum(e for e, _ in told), sum(c for _, c in told)
+    events, conditions, refused = (sum(t[i] for t in told) for i in range(3))
     details |= {"events": events, "conditions": conditions}
     text = f"{len(affected)} of {summary.total} pods affected: {events} Events, {conditions} conditions {reason}"
+    if refused:
+        details["forbidden"] = refused
+        return StepResult(Outcome.FAILED, f"{text}; {refused} pods not told (forbidden)", details)
     return StepResult(Outcome.APPLIED if events or conditions else Outcome.ALREADY_APPLIED, text, details)
 
 
