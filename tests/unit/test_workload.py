@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
+import yaml
+
 from pipeline.actuator import workload
+from pipeline.actuator.actions import ACTION_NAMES
 from pipeline.actuator.testing import make_incident
 from schemas.records import FaultKind
 
@@ -138,3 +142,15 @@ def test_condition_reason_names_the_fault_and_existing_condition_is_seen() -> No
     assert workload.has_condition(p, "Xid79") and not workload.has_condition(p, "Xid48")
     msg = workload.fault_message(make_incident("gpu-1", "inc-1"), True)
     assert "xid 79" in msg and "0000:4e:00.0" in msg and "allocated the faulty GPU" in msg
+
+
+def test_the_rescuepolicy_crd_accepts_every_registered_action() -> None:
+    root = Path(__file__).resolve().parents[2]
+    for path in (root / "deploy" / "crds" / "rescuepolicies.xidflow.dev.yaml",
+                 root / "deploy" / "helm" / "xidflow" / "crds" / "rescuepolicies.xidflow.dev.yaml"):
+        text = path.read_text()
+        crd = yaml.safe_load(text)
+        schema = crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+        rules = schema["properties"]["spec"]["properties"]["rules"]["items"]
+        enum = rules["properties"]["actions"]["items"]["properties"]["name"]["enum"]
+        assert set(enum) == set(ACTION_NAMES), path
