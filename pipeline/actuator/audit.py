@@ -16,6 +16,7 @@ from typing import Any, Protocol
 from aiokafka import AIOKafkaProducer
 
 from pipeline import kafka_clients, metrics
+from pipeline.actuator.workload import DETAILS_KEY as WORKLOAD_KEY
 from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")
@@ -43,9 +44,9 @@ def make_record(
 ) -> RemediationRecord:
     """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe.
 
-    A step's ``details["workload"]`` (notifyWorkload) becomes the record's typed ``workload`` field."""
+    A step's ``details[WORKLOAD_KEY]`` (notifyWorkload) becomes the record's typed ``workload`` field."""
     details = dict(details or {})
-    workload = details.pop("workload", None)
+    workload = details.pop(WORKLOAD_KEY, None)
     return RemediationRecord(
         record_id=stable_id("remediation", node, flow_key, action, outcome.value),
         node=node,

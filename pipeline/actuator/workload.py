@@ -36,6 +36,9 @@ GPU_RESOURCE_PREFIXES = ("nvidia.com/",)
 MAX_PODS = 20
 """Pods listed in a record; the rest are counted in ``omitted`` (affected pods listed first)."""
 
+DETAILS_KEY = "workload"
+"""Where the step's result carries the summary; the audit moves it to ``RemediationRecord.workload``."""
+
 Key = tuple[str, str, str]
 """(namespace, kind, name) of an object a pod's owner chain names."""
 DeviceId = tuple[str, str, str]

@@ -139,7 +139,7 @@ async def run(ctx: StepContext, step: Step) -> StepResult:
     owners = await _read_owners(ctx.kube, workload.owners_to_read(pods))
     faulty, claims, unknown = await _attribution(ctx.kube, node, incident.pci, pods)
     summary, affected = workload.summarize(incident, pods, owners, faulty, claims, unknown)
-    details: dict[str, Any] = {"workload": summary.model_dump(mode="json")}
+    details: dict[str, Any] = {workload.DETAILS_KEY: summary.model_dump(mode="json")}
     if not affected:
         return StepResult(Outcome.SKIPPED, f"{summary.total} pods on the node, none affected", details)
     reason = workload.fault_reason(incident)
