@@ -322,6 +322,9 @@ class RemediationRecord(Record):
     worker_id: str = ""
     dry_run: bool = False
     details: dict[str, Any] = Field(default_factory=dict)
+    workload: WorkloadSummary | None = Field(
+        default=None, description="notifyWorkload: the pods on the node, their owners, which are on the faulty GPU"
+    )
 
 
 class DeadLetterCode(StrEnum):
@@ -403,3 +406,48 @@ ALL_RECORDS: tuple[type[Record], ...] = (
     RemediationRecord,
     DeadLetter,
 )
+
+
+# -- the workload on a faulty node (issue 15): typed part of a RemediationRecord ---------------------------
+class WorkloadOwner(BaseModel):
+    """The top-level owner of a pod as its ownerReferences name it (ReplicaSet -> Deployment and
+    Job -> JobSet/CronJob/... are followed one step; custom kinds are reported, never read)."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    kind: str
+    name: str
+    api_version: str = ""
+
+
+class WorkloadPod(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+
+    namespace: str
+    name: str
+    owner: WorkloadOwner | None = Field(default=None, description="None: a bare pod with no controller")
+    uses_gpu: bool = Field(description="Requests an nvidia.com/ resource or has DRA resource claims")
+    on_faulty_gpu: bool | None = Field(
+        description="True/False from the pod's DRA allocations; None when it cannot be known (see gpu_attribution)"
+    )
+    affected: bool = Field(description="Gets the Warning Event and the GPU-fault pod condition")
+
+
+class WorkloadSummary(BaseModel):
+    """The pods on the node when the actuator handled the incident, capped at ``len(pods)``."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    pci: str | None = Field(default=None, description="The faulty GPU's PCI address, from the incident")
+    gpu_attribution: Literal["dra", "unknown"] = Field(
+        description="dra: the faulty GPU was found in the node's ResourceSlices and on_faulty_gpu is known "
+        "for pods with DRA allocations; unknown: which pod uses the faulty GPU cannot be known"
+    )
+    unknown_reason: str | None = Field(default=None, description="Why gpu_attribution is unknown")
+    total: int = Field(ge=0, description="Pods on the node")
+    affected: int = Field(ge=0, description="Pods that got the Event and the condition")
+    omitted: int = Field(default=0, ge=0, description="Pods left out of ``pods`` by the cap")
+    pods: list[WorkloadPod] = Field(default_factory=list)
+
+
+RemediationRecord.model_rebuild()  # its ``workload`` field names the models above

@@ -17,7 +17,8 @@ from aiokafka import AIOKafkaProducer
 
 from pipeline import kafka_clients, metrics
 from pipeline.actuator.fleetmetrics import remediation_action
-from schemas.records import NodeIncident, Outcome, RemediationRecord, stable_id, utcnow
+from pipeline.actuator.workload import DETAILS_KEY as WORKLOAD_KEY
+from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")
 
@@ -42,7 +43,11 @@ def make_record(
     started_at: datetime | None = None,
     details: dict[str, Any] | None = None,
 ) -> RemediationRecord:
-    """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe."""
+    """A record whose id is deterministic per (node, flow, action, outcome): consumers can dedupe.
+
+    A step's ``details[WORKLOAD_KEY]`` (notifyWorkload) becomes the record's typed ``workload`` field."""
+    details = dict(details or {})
+    workload = details.pop(WORKLOAD_KEY, None)
     return RemediationRecord(
         record_id=stable_id("remediation", node, flow_key, action, outcome.value),
         node=node,
@@ -54,7 +59,8 @@ def make_record(
         finished_at=utcnow(),
         worker_id=worker_id,
         dry_run=dry_run,
-        details=details or {},
+        details=details,
+        workload=WorkloadSummary.model_validate(workload) if workload is not None else None,
     )
 
 

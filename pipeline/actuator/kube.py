@@ -383,3 +383,26 @@ class Kube:
 
     async def delete_cluster_object(self, group: str, version: str, plural: str, name: str) -> None:
         await self._call(self.custom.delete_cluster_custom_object, group, version, plural, name)
+    # -- the workload on a node (notifyWorkload) -------------------------------------------------------
+    async def patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Strategic merge patch on the pod's status subresource: conditions merge by type."""
+        return await self._call(
+            self.core.patch_namespaced_pod_status, name, namespace, body, _content_type=STRATEGIC_PATCH
+        )
+
+    async def get_namespaced_object(
+        self, group: str, version: str, namespace: str, plural: str, name: str
+    ) -> dict[str, Any]:
+        """GET any namespaced object by its REST path (a ReplicaSet, a Job, a ResourceClaim)."""
+        return await self._call(self.custom.get_namespaced_custom_object, group, version, namespace, plural, name)
+
+    async def list_resource_slices(self, node: str, version: str = "v1") -> list[dict[str, Any]]:
+        """The node's ResourceSlices (``resource.k8s.io``); NotFound when the API server does not serve DRA."""
+        page = await self._call(
+            self.custom.list_cluster_custom_object,
+            "resource.k8s.io",
+            version,
+            "resourceslices",
+            field_selector=f"spec.nodeName={node}",
+        )
+        return page.get("items") or []

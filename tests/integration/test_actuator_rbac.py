@@ -19,6 +19,7 @@ from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
+from tests.integration.test_notify_workload import GPU, make_pod, owner
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -116,6 +117,11 @@ async def test_actuator_works_with_shipped_rbac_and_nothing_more(env: Env, kubec
         act.engine.kube = act.breaker.kube = act.drains.kube = act.policies.kube = sa_kube
         await act.start(consume=False)  # namespace check, CRD detection and policy listing as the SA
         env.actuators.append(act)
+        # A GPU pod of a Job: notifyWorkload reads the Job and writes the pod's Event and condition as the SA.
+        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train"}, "spec": {"template": {
+            "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}}}}
+        job = await env.kube._call(env.kube.batch.create_namespaced_job, env.namespace, job)
+        await make_pod(env.kube, env.namespace, name, "train-0", [owner(job)], GPU)
         await act.engine.handle(make_incident(name, "inc-rbac"))
         node = await env.node(name)
         assert node["spec"]["unschedulable"] is True
@@ -123,6 +129,7 @@ async def test_actuator_works_with_shipped_rbac_and_nothing_more(env: Env, kubec
         assert len(await node_events(env.kube, name)) == 1
         audit = outcomes(await env.audit(), name)
         assert ("cordon", "applied") in audit and ("condition", "applied") in audit
+        assert ("notifyWorkload", "applied") in audit
         assert await act.breaker.status()  # breaker ConfigMap readable with the Role
 
         secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {"name": "s"}, "stringData": {"k": "v"}}
@@ -184,6 +191,12 @@ def actuator_must(home: str, force: list[str]) -> list[tuple[str, str, dict[str,
         ("create", "configmaps", {"ns": home}),
         ("create", "jobs", {"group": "batch", "ns": home}),
         ("get", "jobs", {"group": "batch", "ns": home, "name": "xidflow-reboot-x"}),
+        # notifyWorkload: pod condition, pod owners, DRA attribution
+        ("patch", "pods", {"ns": "default", "subresource": "status", "name": "p"}),
+        ("get", "replicasets", {"group": "apps", "ns": "default", "name": "r"}),
+        ("get", "jobs", {"group": "batch", "ns": "default", "name": "j"}),
+        ("get", "resourceclaims", {"group": "resource.k8s.io", "ns": "default", "name": "c"}),
+        ("list", "resourceslices", {"group": "resource.k8s.io"}),
     ]
     for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-rescue-plans"):
         must += [(verb, "configmaps", {"ns": home, "name": configmap}) for verb in ("get", "update")]

@@ -61,7 +61,7 @@ REBOOT_POLICY = load_yaml_text(
 
 def test_default_quarantine_expands_for_quarantining_actions() -> None:
     plan = plan_incident(incident(), PolicySet(), node(), SETTINGS, NOW)
-    assert [s.key for s in plan.steps] == ["cordon", "taint", "condition", "event"]
+    assert [s.key for s in plan.steps] == ["cordon", "taint", "condition", "event", "notifyWorkload"]
     assert plan.rule == "global-default" and plan.skip_reason is None
     assert plan.steps[1].effect == "taint:nvidia.com/gpu-fault:NoSchedule"
     assert plan.steps[2].effect == "condition:GpuFellOffBus"
@@ -100,7 +100,7 @@ def test_schedulable_node_whose_cordon_we_owned_counts_as_manual_uncordon() -> N
 
 def test_disruptive_flow_counts_an_attempt_and_cap_escalates_to_contact_support() -> None:
     plan = plan_incident(incident(), REBOOT_POLICY, node(), SETTINGS, NOW)
-    assert [s.key for s in plan.steps] == ["cordon", "taint", "condition", "event", "drain", "reboot"]
+    assert [s.key for s in plan.steps] == ["cordon", "taint", "condition", "event", "notifyWorkload", "drain", "reboot"]
     assert plan.new_attempt and not plan.escalated
 
     ledger = Ledger(attempts=[NOW - 10, NOW - 20, NOW - 30])
@@ -183,7 +183,7 @@ def test_steps_group_into_one_node_write_and_one_instant_batch() -> None:
     plan = plan_incident(incident(), REBOOT_POLICY, node(), SETTINGS, NOW)
     assert [[s.key for s in g] for g in group_steps(plan.steps)] == [
         ["cordon", "taint"],
-        ["condition", "event"],
+        ["condition", "event", "notifyWorkload"],
         ["drain"],
         ["reboot"],
     ]

@@ -25,7 +25,7 @@ EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "polici
 T = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)
 BARE_METAL = {"node.kubernetes.io/instance-type": "bare-metal"}
 TRAINING = {"xidflow.dev/pool": "training"}
-QUARANTINE = ["cordon", "taint", "condition", "event"]
+QUARANTINE = ["cordon", "taint", "condition", "event", "notifyWorkload"]
 
 
 @pytest.fixture(scope="module")

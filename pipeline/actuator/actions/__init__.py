@@ -44,8 +44,8 @@ def _discover() -> dict[str, ActionDef]:
 REGISTRY: dict[str, ActionDef] = _discover()
 
 # Policy order: the macro first, then the rest as an operator reads a flow.
-_ORDER = ("quarantine", "cordon", "taint", "condition", "event", "drain", "reboot", "resetGpu", "enableWarmStandby",
-          "unCordon", "taintDevice")
+_ORDER = ("quarantine", "cordon", "taint", "taintDevice", "condition", "event", "notifyWorkload", "drain", "reboot",
+          "resetGpu", "enableWarmStandby", "unCordon")
 ACTION_NAMES: tuple[str, ...] = tuple(n for n in _ORDER if n in REGISTRY) + tuple(
     sorted(n for n in REGISTRY if n not in _ORDER)
 )

@@ -3,6 +3,7 @@
 cordon + taint + condition + event when the fault quarantines; condition + event for ALERT (tell a person
 and repair tooling, keep serving); one event for RESTART_APP; nothing for IGNORE. With ``perGpu: true`` a
 quarantine is taintDevice + condition + event: the faulty GPU only, where the catalog and the cluster allow.
+Either quarantine also tells the pods on the node (notifyWorkload: pod Events and the GPU-fault pod condition).
 """
 
 from __future__ import annotations
@@ -30,12 +31,14 @@ def expand(spec: ActionSpec, incident: NodeIncident) -> list[ActionSpec]:
         # Per-GPU quarantine: taintDevice takes the one GPU out, or the node when the fault is node-scoped,
         # the GPU is not published by a DRA driver, or the node has too many tainted (see its module).
         cap = {"max_tainted_devices": spec.max_tainted_devices} if spec.max_tainted_devices is not None else {}
-        return [ActionSpec(name="taintDevice", **taint, **cap), ActionSpec(name="condition"), ActionSpec(name="event")]
+        return [ActionSpec(name="taintDevice", **taint, **cap), ActionSpec(name="condition"), ActionSpec(name="event"),
+                ActionSpec(name="notifyWorkload")]
     return [
         ActionSpec(name="cordon"),
         ActionSpec(name="taint", **taint),
         ActionSpec(name="condition"),
         ActionSpec(name="event"),
+        ActionSpec(name="notifyWorkload"),
     ]
 
 
