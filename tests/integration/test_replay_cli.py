@@ -175,8 +175,8 @@ def test_replay_on_a_produced_history_reports_and_changes_nothing(
         assert rep["history"]["records_read"] == len(history) - 1  # the 3-day-old line is outside the window
         by_node = {r["node"]: r for r in rep["nodes"]}
         assert old not in by_node
-        assert by_node[n1]["actions"] == ["cordon", "taint", "condition", "event", "drain", "reboot"]
-        assert by_node[n2]["actions"] == ["cordon", "taint", "condition", "event", "resetGpu"]
+        assert by_node[n1]["actions"] == ["cordon", "taint", "condition", "event", "notifyWorkload", "drain", "reboot"]
+        assert by_node[n2]["actions"] == ["cordon", "taint", "condition", "event", "notifyWorkload", "resetGpu"]
         assert by_node[n2]["gpus"] == ["0000:1b:00.0"]
         assert by_node[n3]["rules"] == ["lost-gpu-reboot"] and by_node[n3]["quarantined"]
         assert by_node[n4]["refused_by_breaker"] and not by_node[n4]["quarantined"]

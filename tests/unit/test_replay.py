@@ -96,9 +96,9 @@ def test_quarantines_per_action_counts_and_the_diff_against_the_default() -> Non
 
     nodes = {r["node"]: r for r in rep["nodes"]}
     assert nodes["node-a"]["quarantined"] and nodes["node-b"]["quarantined"] and not nodes["node-c"]["quarantined"]
-    assert nodes["node-a"]["actions"] == ["cordon", "taint", "condition", "event", "drain", "reboot"]
+    assert nodes["node-a"]["actions"] == ["cordon", "taint", "condition", "event", "notifyWorkload", "drain", "reboot"]
     assert nodes["node-a"]["rules"] == ["lost-gpu-reboot"] and nodes["node-a"]["gpus"] == ["0000:4e:00.0"]
-    assert nodes["node-b"]["actions"] == ["cordon", "taint", "condition", "event", "resetGpu"]
+    assert nodes["node-b"]["actions"] == ["cordon", "taint", "condition", "event", "notifyWorkload", "resetGpu"]
     assert nodes["node-c"]["actions"] == ["event"]
     assert nodes["node-a"]["incidents"] == 1  # 200 lines within the debounce window are one burst
 
@@ -126,8 +126,8 @@ def test_a_storm_trips_the_breaker_and_says_when_and_how_many_nodes_were_refused
     assert trip.refused == ["node-2", "node-3", "node-4", "node-5"] and trip.refusals == 4
     quarantined = {t.node for t in cand.taken if t.quarantining}
     assert quarantined == {"node-0", "node-1"}
-    # A refused node still gets what runs while the breaker is open (the Event), nothing else.
-    assert {t.action for t in cand.taken if t.node == "node-5"} == {"event"}
+    # A refused node still gets what runs while the breaker is open (the Event, telling the pods), nothing else.
+    assert {t.action for t in cand.taken if t.node == "node-5"} == {"event", "notifyWorkload"}
     rows = core.trip_rows(cand, "candidate")
     assert rows[0]["nodes_refused"] == 4 and "2 of 4" not in rows[0]["reason"] and "limit 50%" in rows[0]["reason"]
 

@@ -173,7 +173,7 @@ def test_quarantine_per_gpu_expands_to_taint_device_for_quarantining_incidents_o
 
     rule = load_yaml_text(policy("{name: quarantine, perGpu: true, effect: NoExecute, maxTaintedDevices: 3}")).rules[0]
     specs = expand_actions(rule, incident(code=48, action=Action.RESET_GPU))
-    assert [s.name for s in specs] == ["taintDevice", "condition", "event"]
+    assert [s.name for s in specs] == ["taintDevice", "condition", "event", "notifyWorkload"]
     assert specs[0].effect == "NoExecute" and specs[0].max_tainted_devices == 3
     assert [s.name for s in expand_actions(rule, incident(code=13, action=Action.RESTART_APP))] == ["event"]
     plain = load_yaml_text(policy("{name: quarantine}")).rules[0]
