@@ -17,7 +17,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import yaml
 
 from pipeline.actuator.kube import AlreadyExists, Kube
@@ -46,11 +45,16 @@ def object_name(prefix: str, *parts: object, length: int = 16) -> str:
 
 @dataclass
 class NodeChange:
-    """What one node-object effect changes: spec fields, extra annotations, and a note for the audit."""
+    """What one node-object effect changes: spec fields, extra annotations, and a note for the audit.
+
+    ``status`` (e.g. ``{"conditions": [...]}``, merged by type) is written through the status
+    subresource together with the ledger; a change has ``spec`` or ``status``, never both.
+    """
 
     spec: dict[str, Any] = field(default_factory=dict)
     annotations: dict[str, str | None] = field(default_factory=dict)
     note: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
 
 
 # -- pure node-object effects -------------------------------------------------------------------------
@@ -107,6 +111,19 @@ def reboot_annotation_change(flow_key: str) -> NodeChange:
 
 
 # -- conditions and Events ---------------------------------------------------------------------------------
+def condition_entry(condition_type: str, status: bool, reason: str, message: str) -> dict[str, Any]:
+    """One NodeCondition as the status subresource takes it (a strategic merge patch merges by type)."""
+    now = now_rfc3339()
+    return {
+        "type": condition_type,
+        "status": "True" if status else "False",
+        "reason": reason,
+        "message": message[:1024],
+        "lastHeartbeatTime": now,
+        "lastTransitionTime": now,
+    }
+
+
 async def set_condition(
     kube: Kube,
     node: str,
@@ -120,16 +137,7 @@ async def set_condition(
 
     With ``resource_version`` the write is conditional (409 when the Node changed since).
     """
-    now = now_rfc3339()
-    cond = {
-        "type": condition_type,
-        "status": "True" if status else "False",
-        "reason": reason,
-        "message": message[:1024],
-        "lastHeartbeatTime": now,
-        "lastTransitionTime": now,
-    }
-    body: dict[str, Any] = {"status": {"conditions": [cond]}}
+    body: dict[str, Any] = {"status": {"conditions": [condition_entry(condition_type, status, reason, message)]}}
     if resource_version:
         body["metadata"] = {"resourceVersion": resource_version}
     return await kube.patch_node_status(node, body)
@@ -224,6 +232,8 @@ async def create_hook_job(kube: Kube, job: dict[str, Any]) -> bool:
 
 async def call_webhook(url: str, payload: dict[str, Any], idempotency_key: str, limit_s: float = 10) -> int:
     """POST the reboot request; the receiver dedupes on the Idempotency-Key header."""
+    import aiohttp  # only a webhook reboot needs it: not imported at the actuator's start
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s)) as session:
         async with session.post(url, json=payload, headers={"Idempotency-Key": idempotency_key}) as resp:
             resp.raise_for_status()

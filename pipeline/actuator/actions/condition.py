@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
@@ -42,6 +42,19 @@ async def run(ctx: StepContext, step: Step) -> StepResult:
     raise KubeUnavailable(f"node {plan.node}: condition kept conflicting")
 
 
+def status_change(view: NodeView, step: Step, ctx: StepContext) -> tuple[dict[str, Any] | None, StepResult]:
+    """The condition as a status change, written by the effector in one status write with the ledger."""
+    plan, problem = ctx.plan, ctx.plan.problem
+    ctype = str(problem.condition_type) if problem else str(ProblemClass.XID)
+    reason = "ContactSupport" if plan.escalated else (problem.event_reason if problem else "RescueRequest")
+    message = event_message(ctx.incident) if ctx.incident else f"rescue request {plan.flow_key}"
+    current = view.condition(ctype)
+    if current and current.get("status") == "True" and current.get("reason") == reason:
+        return None, StepResult(Outcome.ALREADY_APPLIED, f"{ctype}=True already set")
+    entry = effects.condition_entry(ctype, True, reason, message)
+    return entry, StepResult(Outcome.APPLIED, f"{ctype}=True ({reason})", owns=(condition_effect_key(ctype),))
+
+
 ACTION = ActionDef(
     name="condition",
     kind=Kind.INSTANT,
@@ -49,4 +62,5 @@ ACTION = ActionDef(
     undo="set the condition False (XidflowRecovered)",
     effect_key=lambda spec, settings, problem: condition_effect_key(problem.condition_type) if problem else None,
     run=run,
+    status_change=status_change,
 )
