@@ -29,6 +29,7 @@ import bisect
 import collections
 import itertools
 import logging
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -68,6 +69,8 @@ from schemas.records import (
 )
 
 log = logging.getLogger("xidflow.parse")
+
+_VALUE = operator.attrgetter("value")
 
 STAGE = "parse"
 
@@ -328,12 +331,14 @@ class ParseCore:
             # Empty or oversize payloads go to the adapter, which dead-letters them with a reason.
             marked.update(i for i, size in enumerate(lengths) if size == 0 or size > MAX_GATE_BYTES)
         buf = b"\x00".join(values)  # type: ignore[arg-type]
-        starts: list[int] = []
+        ends: list[int] = []  # ends[i]: bytes of records 0..i, separators left out (C-level accumulate)
+        indexes = range(n)
 
         def record_at(pos: int) -> int:
-            if not starts:
-                starts.extend(itertools.accumulate((size + 1 for size in lengths), initial=0))
-            return bisect.bisect_right(starts, pos) - 1
+            # Record i spans [ends[i-1] + i, ends[i] + i) in ``buf``: the first i with ends[i] + i > pos.
+            if not ends:
+                ends.extend(itertools.accumulate(lengths))
+            return bisect.bisect_right(indexes, pos, key=lambda i: ends[i] + i)
 
         if self._automaton is not None:
             # One pass of the Rust aho-corasick automaton over the batch for all markers at once.
@@ -347,7 +352,7 @@ class ParseCore:
                     index = record_at(pos)
                     marked.add(index)
                     # Skip to the next record: one hit per record is enough.
-                    pos = find(marker, starts[index + 1]) if index + 1 < n else -1
+                    pos = find(marker, ends[index] + index + 1) if index + 1 < n else -1
         every = self.settings.shape_check_every
         if every:
             # Sample noise for shape checks so an unknown shipper format shows up as dead letters.
@@ -373,7 +378,7 @@ class ParseCore:
             health, logs = [], records
         for rec in health:
             self._guarded(rec, result, now, self._health)
-        wanted = self.candidates([r.value for r in logs])
+        wanted = self.candidates(list(map(_VALUE, logs)))
         result.noise = len(logs) - len(wanted)
         result.decoded += len(wanted)
         for index in wanted:
@@ -623,6 +628,8 @@ class ParseStage:
                 while not self._stopping.is_set():
                     self.live.beat()
                     batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
+                    if batches:
+                        await _let_fetcher_run()
                     await self._handle(consumer, producer, batches)
                     if stop_after is not None and self.counters.records >= stop_after:
                         break
@@ -857,6 +864,17 @@ class ParseStage:
             log.warning("dead letter from %s: %s%s", dl.topic, dl.reason, extra)
         else:
             self._dead_suppressed += 1
+
+
+async def _let_fetcher_run() -> None:
+    """A few turns of the event loop before a batch is parsed, so the next fetch is on the wire meanwhile.
+
+    Draining a partition's fetched records wakes aiokafka's fetch task, which needs three loop turns
+    (wake up, plan the requests, start the request task) to send the next fetch; parsing the batch
+    first would hold the request back by the whole parse time and serialise fetch and parse.
+    """
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 class OutputTooLarge(ValueError):

@@ -30,7 +30,7 @@ log = logging.getLogger("xidflow.actuator")
 def manual_only_from_api_settings() -> bool:
     """The decision API's ``ApiSettings.manual_only`` (``XIDFLOW_API_MANUAL_ONLY``) when that module is present."""
     try:
-        api = importlib.import_module("pipeline.actuator.api")
+        api = importlib.import_module("pipeline.actuator.api.settings")  # not the aiohttp application
         settings_cls = api.ApiSettings
         return bool(settings_cls().manual_only)
     except (ImportError, AttributeError, ValueError) as exc:
@@ -118,6 +118,7 @@ class Actuator:
             signing.refusal(r.node_name, r.request_id, r.requested_by, why, s.worker_id))
         self.reconciler = Reconciler(self.engine, self.kube, s.gpu_node_selector, s.resync_seconds)
         self.consumer.on_assigned = self.reconciler.assign
+        self.engine.writer.peek = lambda name: self.reconciler.nodes.get(name)  # writes start from the watch cache
         self._given_policies = policies is not None
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)

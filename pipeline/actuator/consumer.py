@@ -285,10 +285,16 @@ class _Rebalance(ConsumerRebalanceListener):
         self.owner = owner
 
     async def on_partitions_revoked(self, revoked: list[TopicPartition]) -> None:
+        """Commit what is done and hand over at once: the rebalance never waits for records in flight.
+
+        Flows are level-triggered: a record whose flow is recorded on its node is done (its offset
+        commits now) and the next owner's reconciler resumes the flow from the node's ledger; a record
+        not yet recorded stays uncommitted and is redelivered to the next owner. Its run here may still
+        finish meanwhile; every write is conditional and every effect idempotent, so the two runs never
+        double an effect - and the rebalance (a replica's failover) is not held up by them.
+        """
         if self.owner.on_assigned is not None:
             self.owner.on_assigned(set(), 0)  # own no node while the group rebalances
-        # Finish what we started and commit it, so the next owner does not replay much.
-        await self.owner.drain(timeout_s=20)
         with contextlib.suppress(Exception):
             await self.owner.commit()
         self.owner.tracker.forget(list(revoked))

@@ -2,7 +2,8 @@
 
 The engine decides what runs and in which order; an effector makes it happen. ``LiveEffector``:
 node-object steps (cordon, taint, unCordon) land in ONE conditional patch together with the ledger;
-instant steps (condition, Event) run concurrently and are marked done in one ledger write; a long
+instant steps with calls of their own (Event) run concurrently, then ONE conditional status write sets
+the conditions and records them all done (and the flow finished, when it is its last group); a long
 step (drain, reboot, resetGpu, enableWarmStandby) is claimed first with a lease that a background
 task renews while the runner works, so a second replica or a redelivery never starts it twice and
 a replica that vanished is replaced within one lease period. ``DryRunEffector`` mutates nothing.
@@ -245,24 +246,41 @@ class LiveEffector:
         ctx.wrote(written)
         return results
 
-    async def _mark_done(self, ctx: FlowContext, done: dict[str, StepResult]) -> None:
-        flow = ctx.plan.flow_key
+    async def _mark_done(
+        self, ctx: FlowContext, done: dict[str, StepResult], status_steps: tuple[Step, ...] = ()
+    ) -> dict[str, StepResult]:
+        """Record steps done in one ledger write; ``status_steps`` (conditions) are applied by that very write.
 
-        def mutate(view: NodeView, ledger: Ledger) -> tuple[NodeChange | None, None]:
+        With status steps the write goes through the status subresource (conditions and ledger together),
+        else through the Node. Returns every step's result, the status steps' included.
+        """
+        flow = ctx.plan.flow_key
+        sctx = self.step_context(ctx)
+
+        def mutate(view: NodeView, ledger: Ledger) -> tuple[NodeChange | None, dict[str, StepResult]]:
             now = time.time()
+            results = dict(done)
+            conditions = []
+            for step in status_steps:
+                assert step.action.status_change is not None
+                entry, results[step.key] = step.action.status_change(view, step, sctx)
+                if entry is not None:
+                    conditions.append(entry)
             self._touch(ctx, ledger, now)
-            for key, result in done.items():
+            for key, result in results.items():
                 ledger.mark_done(flow, key, now)
                 self._log(ledger, flow, key, result, now)
                 for effect in result.owns:
                     ledger.own(effect, flow)
                 for name, value in result.values.items():
                     ledger.set_flow_value(flow, name, value, now)
-            self._end_with(ctx, ledger, done, now)
-            return NodeChange(), None
+            self._end_with(ctx, ledger, results, now)
+            return NodeChange(status={"conditions": conditions} if conditions else {}), results
 
-        _, written = await self.writer.update(ctx.plan.node, mutate, f"{'+'.join(done)} {flow}", ctx.view)
+        keys = [*done, *(s.key for s in status_steps)]
+        results, written = await self.writer.update(ctx.plan.node, mutate, f"{'+'.join(keys)} {flow}", ctx.view)
         ctx.wrote(written)
+        return results
 
     async def _instant(self, ctx: FlowContext, group: list[Step]) -> dict[str, StepResult]:
         flow = ctx.plan.flow_key
@@ -271,18 +289,23 @@ class LiveEffector:
             reason = f"cancelled: {ledger.cancelled(flow)}"
             return {s.key: StepResult(Outcome.SKIPPED, reason, stop=StopReason.CANCELLED) for s in group}
         results: dict[str, StepResult] = {}
-        todo = []
+        todo: list[Step] = []
         for step in group:
             if ledger.is_done(flow, step.key):
                 results[step.key] = self.recorded(ledger, flow, step.key)
             else:
                 todo.append(step)
+        if not todo:
+            return results
+        # Steps with calls of their own (Events) run concurrently; then ONE write records them done and
+        # applies the status steps (conditions) with it: the record follows every effect it names.
+        status_steps = tuple(s for s in todo if s.action.status_change is not None)
+        calls = [s for s in todo if s.action.status_change is None]
         sctx = self.step_context(ctx)
-        outcomes = await asyncio.gather(*(self._run(s, sctx) for s in todo))
+        outcomes = await asyncio.gather(*(self._run(s, sctx) for s in calls))
         ctx.view = sctx.view
-        results.update({s.key: r for s, r in zip(todo, outcomes, strict=True)})
-        if todo:
-            await self._mark_done(ctx, {s.key: results[s.key] for s in todo})
+        ran = dict(zip((s.key for s in calls), outcomes, strict=True))
+        results.update(await self._mark_done(ctx, ran, status_steps))
         return results
 
     @staticmethod

@@ -17,10 +17,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-import aiohttp
 import yaml
 
-from pipeline.actuator.conditions import next_condition
 from pipeline.actuator.kube import AlreadyExists, Kube
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
@@ -47,11 +45,16 @@ def object_name(prefix: str, *parts: object, length: int = 16) -> str:
 
 @dataclass
 class NodeChange:
-    """What one node-object effect changes: spec fields, extra annotations, and a note for the audit."""
+    """What one node-object effect changes: spec fields, extra annotations, and a note for the audit.
+
+    ``status`` (e.g. ``{"conditions": [...]}``, merged by type) is written through the status
+    subresource together with the ledger; a change has ``spec`` or ``status``, never both.
+    """
 
     spec: dict[str, Any] = field(default_factory=dict)
     annotations: dict[str, str | None] = field(default_factory=dict)
     note: str = ""
+    status: dict[str, Any] = field(default_factory=dict)
 
 
 # -- pure node-object effects -------------------------------------------------------------------------
@@ -107,29 +110,7 @@ def reboot_annotation_change(flow_key: str) -> NodeChange:
     return NodeChange(annotations={REBOOT_REQUEST_ANNOTATION: flow_key})
 
 
-# -- conditions and Events ---------------------------------------------------------------------------------
-async def set_condition(
-    kube: Kube,
-    node: str,
-    condition_type: str,
-    status: bool | str,
-    reason: str,
-    message: str,
-    resource_version: str | None = None,
-    current: Mapping[str, Any] | None = None,
-) -> dict[str, Any]:
-    """Set one NodeCondition through the status subresource; other conditions are left untouched.
-
-    With ``resource_version`` the write is conditional (409 when the Node changed since). ``current``
-    is the condition as last read: its ``lastTransitionTime`` is kept when the status stays the same.
-    """
-    cond = next_condition(current, condition_type, status, reason, message, now_rfc3339())
-    body: dict[str, Any] = {"status": {"conditions": [cond]}}
-    if resource_version:
-        body["metadata"] = {"resourceVersion": resource_version}
-    return await kube.patch_node_status(node, body)
-
-
+# -- Events (conditions: pipeline.actuator.conditions) ---------------------------------------------------
 async def create_node_event(
     kube: Kube, node: NodeView, name: str, reason: str, message: str, event_type: str = "Warning"
 ) -> bool:
@@ -219,6 +200,8 @@ async def create_hook_job(kube: Kube, job: dict[str, Any]) -> bool:
 
 async def call_webhook(url: str, payload: dict[str, Any], idempotency_key: str, limit_s: float = 10) -> int:
     """POST the reboot request; the receiver dedupes on the Idempotency-Key header."""
+    import aiohttp  # only a webhook reboot needs it: not imported at the actuator's start
+
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=limit_s)) as session:
         async with session.post(url, json=payload, headers={"Idempotency-Key": idempotency_key}) as resp:
             resp.raise_for_status()

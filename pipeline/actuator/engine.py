@@ -138,7 +138,7 @@ class Engine:
             # Until the node is out of scheduling, its API calls go ahead of other nodes' Events/conditions.
             API_PRIORITY.set(0 if record.quarantine or record.action.quarantines else 1)
             await self.policies.maybe_refresh()
-        view = await self.writer.read(record.node)
+        view = await self.writer.current(record.node)  # the watch's view: no read on the hot path
         if view is None:
             await self._audit_now(record.node, flow, "decide", Outcome.SKIPPED, "node not found")
             await self._request_done(record)
@@ -166,7 +166,7 @@ class Engine:
     async def resume(self, node: str) -> float | None:
         """Drive every open flow of the node from its ledger; when to look again if one is held elsewhere."""
         async with self._lock(node):
-            view = await self.writer.read(node)
+            view = await self.writer.current(node)
             if view is None:
                 return None
             view = await self._reconcile_manual_uncordon(view)

@@ -23,16 +23,18 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
 
-import aiohttp
 import orjson
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, Severity
+
+if TYPE_CHECKING:  # aiohttp is imported when a webhook is delivered to: not at the actuator's start
+    import aiohttp
 
 log = logging.getLogger(__name__)
 
@@ -268,6 +270,8 @@ class Notifier:
         if self._tasks:
             return
         if self._session is None:
+            import aiohttp
+
             self._session = aiohttp.ClientSession()
         for webhook, queue in zip(self._settings.webhooks, self._queues, strict=True):
             task = asyncio.create_task(self._deliver_forever(webhook, queue), name=f"notify-{webhook.label}")
@@ -324,6 +328,8 @@ class Notifier:
                 queue.task_done()
 
     async def _deliver(self, webhook: Webhook, notification: _Notification) -> None:
+        import aiohttp
+
         assert self._session is not None
         settings = self._settings
         stats = self.stats[webhook.label]

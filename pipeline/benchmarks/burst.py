@@ -377,12 +377,52 @@ async def run_scenario(
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
-        return {**summarize(prefix, latencies, len(sent)), **extra}
+        stages = stage_split(prefix, sent, await incident_times(world), watch.tainted)
+        return {**summarize(prefix, latencies, len(sent)), **stages, **extra}
     finally:
         if watch is not None:
             watch.stop()
         await producer.stop()
         await world.teardown()
+
+
+async def incident_times(world: World, limit_s: float = 30) -> dict[str, float]:
+    """node -> when the worker produced the node's first incident (the record's timestamp, seconds)."""
+    from aiokafka import TopicPartition
+
+    topic = world.topics.name("incidents")
+    consumer = kafka_clients.consumer(
+        bootstrap=world.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False, group_id=None
+    )
+    await consumer.start()
+    first: dict[str, float] = {}
+    try:
+        tps = [TopicPartition(topic, p) for p in range(world.partitions)]
+        consumer.assign(tps)
+        ends = await consumer.end_offsets(tps)
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline and any([await consumer.position(tp) < end for tp, end in ends.items()]):
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                for rec in records:
+                    node = rec.key.decode() if rec.key else ""
+                    first.setdefault(node, rec.timestamp / 1000)
+    finally:
+        await consumer.stop()
+    return first
+
+
+def stage_split(
+    prefix: str, sent: dict[str, float], incident: dict[str, float], tainted: dict[str, float]
+) -> dict[str, Any]:
+    """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API)."""
+    worker = sorted((incident[n] - t) * 1000 for n, t in sent.items() if n in incident)
+    actuator = sorted((tainted[n] - incident[n]) * 1000 for n in sent if n in incident and n in tainted)
+    out: dict[str, Any] = {}
+    for name, values in (("worker", worker), ("actuator", actuator)):
+        if values:
+            out[f"{prefix}_{name}_p50_ms"] = round(percentile(values, 0.50), 1)
+            out[f"{prefix}_{name}_p99_ms"] = round(percentile(values, 0.99), 1)
+    return out
 
 
 async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:

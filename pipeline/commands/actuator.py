@@ -35,7 +35,7 @@ def actuator(
     from pydantic_settings import SettingsError
 
     from pipeline.actuator import fleetmetrics
-    from pipeline.actuator.api import ApiSettings, ApiStartError, check_tokens, start_api
+    from pipeline.actuator.api.settings import ApiSettings  # the aiohttp application only when served
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.jobtemplates import JobTemplateError, check_operator_templates
     from pipeline.actuator.policy import PolicyError, load_yaml_file
@@ -75,7 +75,11 @@ def actuator(
     if serve_api is None:
         serve_api = bool(api_settings.tokens or api_settings.token_file)
     tokens = None
+    api_errors: tuple[type[Exception], ...] = ()
     if serve_api:
+        from pipeline.actuator.api import ApiStartError, check_tokens, start_api
+
+        api_errors = (ApiStartError,)
         try:
             tokens = check_tokens(api_settings)  # an unreadable token file stops us here, before anything connects
         except ApiStartError as exc:
@@ -108,5 +112,5 @@ def actuator(
     with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
         try:
             asyncio.run(main())
-        except ApiStartError as exc:
+        except api_errors as exc:
             raise click.ClickException(str(exc)) from None

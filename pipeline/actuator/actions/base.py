@@ -86,6 +86,7 @@ class StepContext:
 NodeChangeFn = Callable[["NodeView", "Ledger", "Step", "StepContext"], "NodeChange"]
 RunFn = Callable[["StepContext", "Step"], Awaitable[StepResult]]
 ExpandFn = Callable[["ActionSpec", "NodeIncident"], "list[ActionSpec]"]
+StatusChangeFn = Callable[["NodeView", "Step", "StepContext"], "tuple[dict[str, Any] | None, StepResult]"]
 EffectKeyFn = Callable[["ActionSpec", "ActuatorSettings", "Problem | None"], "str | None"]
 
 
@@ -123,6 +124,8 @@ class ActionDef:
     """Holds one of the cluster-wide drain slots while it runs (renewed with its lease)."""
     expand: ExpandFn | None = None
     """For ``Kind.MACRO``: the actions it stands for, given the incident."""
+    status_change: StatusChangeFn | None = None
+    """For ``Kind.INSTANT``: the step as a status entry (pure), written with the ledger in one status write."""
 
     @property
     def needs_claim(self) -> bool:

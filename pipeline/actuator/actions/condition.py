@@ -44,36 +44,47 @@ def _effect_key(spec: ActionSpec, settings: ActuatorSettings, problem: Problem |
     return conditions.effect_key(*target(spec, problem))
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
-    """Conditional status write: of two replicas racing, one sets it and the other sees it set."""
+def decide(view: NodeView, step: Step, ctx: StepContext) -> tuple[dict[str, Any] | None, StepResult]:
+    """The condition to write given the node as seen (pure), or None with why nothing is written.
+
+    The effector writes it with the ledger in one status write (``status_change``); ``run`` writes it alone.
+    """
     plan, problem = ctx.plan, ctx.plan.problem
     ctype, status = target(step.spec, problem)
     default_reason = "ContactSupport" if plan.escalated else (problem.event_reason if problem else "RescueRequest")
     reason = step.spec.reason or default_reason
     message = event_message(ctx.incident) if ctx.incident else f"rescue request {plan.flow_key}"
     key = conditions.effect_key(ctype, status)
+    current = view.condition(ctype)
+    already = current is not None and current.get("status") == status
+    if already and ctype not in OWN_CONDITION_TYPES and not view.ledger.owners(key):
+        # Another tool (or a person) already says so: theirs to clear, never ours to undo.
+        return None, StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set by someone else; not owned")
+    if already and current is not None and current.get("reason") == reason:
+        return None, StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set", owns=(key,))
+    entry = conditions.next_condition(current, ctype, status, reason, message, effects.now_rfc3339())
+    return entry, StepResult(Outcome.APPLIED, f"{ctype}={status} ({reason})", owns=(key,))
+
+
+async def run(ctx: StepContext, step: Step) -> StepResult:
+    """Conditional status write: of two replicas racing, one sets it and the other sees it set."""
     view = ctx.view
     for _ in range(_ATTEMPTS):
-        current = view.condition(ctype)
-        already = current is not None and current.get("status") == status
-        if already and ctype not in OWN_CONDITION_TYPES and not view.ledger.owners(key):
-            # Another tool (or a person) already says so: theirs to clear, never ours to undo.
-            return StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set by someone else; not owned")
-        if already and current is not None and current.get("reason") == reason:
-            return StepResult(Outcome.ALREADY_APPLIED, f"{ctype}={status} already set", owns=(key,))
+        entry, result = decide(view, step, ctx)
+        if entry is None:
+            return result
+        body = {"metadata": {"resourceVersion": view.resource_version}, "status": {"conditions": [entry]}}
         try:
-            written = await effects.set_condition(
-                ctx.kube, plan.node, ctype, status, reason, message, view.resource_version, current
-            )
+            written = await ctx.kube.patch_node_status(view.name, body)
         except Conflict:
-            fresh = await ctx.writer.read(plan.node)
+            fresh = await ctx.writer.read(view.name)
             if fresh is None:
-                raise NotFound(404, "NotFound", f"node {plan.node} is gone") from None
+                raise NotFound(404, "NotFound", f"node {view.name} is gone") from None
             view = fresh
             continue
         ctx.view = NodeView.from_object(written)
-        return StepResult(Outcome.APPLIED, f"{ctype}={status} ({reason})", owns=(key,))
-    raise KubeUnavailable(f"node {plan.node}: condition kept conflicting")
+        return result
+    raise KubeUnavailable(f"node {view.name}: condition kept conflicting")
 
 
 def restorations(view: NodeView, owned: Iterable[str], message: str) -> list[dict[str, Any]]:
@@ -120,4 +131,5 @@ ACTION = ActionDef(
     "while it still says what xidflow set",
     effect_key=_effect_key,
     run=run,
+    status_change=decide,
 )

@@ -4,81 +4,60 @@ One module per concern: :mod:`.settings` (``XIDFLOW_API_*``), :mod:`.auth` (Bear
 :mod:`.preconditions` (the node exists and is a GPU node), :mod:`.plans` (the cluster-wide pending-plans
 ledger and Idempotency-Keys), :mod:`.openapi` (the served document) and :mod:`.app` (the aiohttp
 application and its start-up). Every Kubernetes call goes through :class:`pipeline.actuator.kube.Kube`.
+
+The names below are loaded on first use (PEP 562): importing :mod:`.settings` alone (the actuator
+reads ``ApiSettings`` at start) must not import the aiohttp application.
 """
 
-from pipeline.actuator.api.app import (
-    ApiStartError,
-    RunningApi,
-    check_tokens,
-    create_app,
-    make_producer,
-    run_api,
-    serve,
-    start_api,
-)
-from pipeline.actuator.api.auth import TokenFileError, TokenStore, parse_token_file, read_token_file
-from pipeline.actuator.api.openapi import (
-    API_VERSION,
-    IDEMPOTENCY_KEY_HEADER,
-    REQUEST_ID_HEADER,
-    RESCUE_ACTIONS_PATH,
-    ApiAnswer,
-    Health,
-    openapi_document,
-)
-from pipeline.actuator.api.plans import (
-    ConfigMapPlanLedger,
-    PendingPlan,
-    PlanLedger,
-    PlanLedgerContention,
-    PlanReservation,
-    live_plans,
-    release_plan,
-    request_fingerprint,
-    reserve_plan,
-)
-from pipeline.actuator.api.preconditions import (
-    KubernetesNodeLookup,
-    NodeLookup,
-    NodeStatus,
-    has_gpu_capacity,
-    precondition_failure,
-)
-from pipeline.actuator.api.settings import ApiSettings
+from __future__ import annotations
 
-__all__ = [
-    "API_VERSION",
-    "IDEMPOTENCY_KEY_HEADER",
-    "REQUEST_ID_HEADER",
-    "RESCUE_ACTIONS_PATH",
-    "ApiAnswer",
-    "ApiSettings",
-    "ApiStartError",
-    "ConfigMapPlanLedger",
-    "Health",
-    "KubernetesNodeLookup",
-    "NodeLookup",
-    "NodeStatus",
-    "PendingPlan",
-    "PlanLedger",
-    "PlanLedgerContention",
-    "PlanReservation",
-    "RunningApi",
-    "TokenFileError",
-    "TokenStore",
-    "check_tokens",
-    "create_app",
-    "has_gpu_capacity",
-    "live_plans",
-    "make_producer",
-    "openapi_document",
-    "parse_token_file",
-    "precondition_failure",
-    "read_token_file",
-    "release_plan",
-    "request_fingerprint",
-    "reserve_plan",
-    "run_api",
-    "serve",
-    "start_api",
-]
+import importlib
+from typing import Any
+
+_WHERE = {
+    "API_VERSION": "openapi",
+    "ApiAnswer": "openapi",
+    "ApiSettings": "settings",
+    "ApiStartError": "app",
+    "ConfigMapPlanLedger": "plans",
+    "Health": "openapi",
+    "IDEMPOTENCY_KEY_HEADER": "openapi",
+    "KubernetesNodeLookup": "preconditions",
+    "NodeLookup": "preconditions",
+    "NodeStatus": "preconditions",
+    "PendingPlan": "plans",
+    "PlanLedger": "plans",
+    "PlanLedgerContention": "plans",
+    "PlanReservation": "plans",
+    "REQUEST_ID_HEADER": "openapi",
+    "RESCUE_ACTIONS_PATH": "openapi",
+    "RunningApi": "app",
+    "TokenFileError": "auth",
+    "TokenStore": "auth",
+    "check_tokens": "app",
+    "create_app": "app",
+    "has_gpu_capacity": "preconditions",
+    "live_plans": "plans",
+    "make_producer": "app",
+    "openapi_document": "openapi",
+    "parse_token_file": "auth",
+    "precondition_failure": "preconditions",
+    "read_token_file": "auth",
+    "release_plan": "plans",
+    "request_fingerprint": "plans",
+    "reserve_plan": "plans",
+    "run_api": "app",
+    "serve": "app",
+    "start_api": "app",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str) -> Any:
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"{__name__}.{module}"), name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,115 @@
+"""How many kube-apiserver calls quarantining one node costs, counted on the real API server.
+
+The count, not a time: a regression that adds a read or a second ledger write to the hot path fails
+here, whatever the machine's speed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+
+from pipeline.actuator.app import Actuator
+from pipeline.actuator.kube import Kube
+from pipeline.actuator.ownership import Ledger, condition_effect_key
+from pipeline.actuator.policy import PolicySet
+from pipeline.actuator.settings import ActuatorSettings
+from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, node_events
+from pipeline.kafka_admin import ensure_topics
+from pipeline.settings import KafkaSettings, TopicNames
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+
+def count_calls(kube: Kube) -> collections.Counter[str]:
+    """Wrap the one door every API call of ``kube`` goes through; count calls by client method name."""
+    counts: collections.Counter[str] = collections.Counter()
+    real = kube._call
+
+    async def counted(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        counts[fn.__name__] += 1
+        return await real(fn, *args, **kwargs)
+
+    kube._call = counted  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.fixture
+async def world(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[dict[str, Any]]:
+    tag = unique("fleet")
+    topics = TopicNames(prefix=unique("t") + ".")
+    await ensure_topics(kafka_bootstrap, [topics.name("remediation_audit")], partitions=1)
+    kube = Kube.from_config(kubeconfig, 8)
+    names = [unique("gpu") for _ in range(11)]
+    await create_nodes(kube, names, {"xidflow.test/fleet": tag})
+    settings = ActuatorSettings(
+        gpu_node_selector=f"xidflow.test/fleet={tag}",
+        namespace=unique("ns"),
+        group_id=unique("g"),
+        policy_source="file",
+        breaker_max_share=1.0,
+        worker_id="w1",
+    )
+    act = Actuator(settings, KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=kafka_bootstrap), topics, kubeconfig, PolicySet())
+    await act.start(consume=False)
+    act.reconciler.start()  # its node watch is the cache writes start from (it owns no partition here)
+    versions = {n: (await kube.get_node(n))["metadata"]["resourceVersion"] for n in names}
+    for _ in range(600):  # the watch has delivered every node as it is now
+        seen = act.reconciler.nodes
+        if all(n in seen and seen[n].resource_version == rv for n, rv in versions.items()):
+            break
+        await asyncio.sleep(0.05)
+    yield {"act": act, "nodes": names, "kube": kube}
+    await act.reconciler.stop()
+    await act.stop()
+    await delete_nodes(kube, names)
+    kube.close()
+
+
+NODE_CALLS = ("read_node", "patch_node", "patch_node_status", "create_namespaced_event")
+
+
+def node_calls(counts: collections.Counter[str]) -> dict[str, int]:
+    return {k: counts[k] for k in NODE_CALLS if counts[k]}
+
+
+async def test_quarantining_a_node_costs_three_calls(world: dict[str, Any]) -> None:
+    """Cordon + taint + flow record in one patch, the Event, the condition + done marks in one status patch."""
+    act: Actuator = world["act"]
+    first, second = world["nodes"][:2]
+    await act.engine.handle(make_incident(first, "inc-warm"))  # the breaker's first ConfigMap write, policies
+    counts = count_calls(act.engine.kube)
+    await act.engine.handle(make_incident(second, "inc-count"))
+    print("calls for one quarantined node:", dict(counts))
+    node = await world["kube"].get_node(second)
+    assert node["spec"]["unschedulable"] is True
+    assert any(t["key"] == "nvidia.com/gpu-fault" for t in node["spec"].get("taints") or [])
+    assert node_calls(counts) == {"patch_node": 1, "create_namespaced_event": 1, "patch_node_status": 1}
+    ledger = Ledger.from_annotations(node["metadata"].get("annotations"))
+    assert ledger.is_finished("inc-count") and ledger.owners(condition_effect_key("GpuCount")) == ["inc-count"]
+    assert any(c["type"] == "GpuCount" and c["status"] == "True" for c in node["status"]["conditions"])
+    assert len(await node_events(world["kube"], second)) == 1
+
+    for _ in range(600):  # the watch has delivered our last write: decisions start from it
+        if act.reconciler.nodes[second].resource_version == node["metadata"]["resourceVersion"]:
+            break
+        await asyncio.sleep(0.05)
+    counts.clear()
+    await act.engine.handle(make_incident(second, "inc-count"))  # a redelivery: everything is recorded
+    assert node_calls(counts) == {}
+    assert len(await node_events(world["kube"], second)) == 1
+
+
+async def test_a_burst_costs_three_calls_per_node(world: dict[str, Any]) -> None:
+    """Nodes handled at once (as in a storm) cost the same per node: no read, no conflict, no retry."""
+    act: Actuator = world["act"]
+    await act.engine.handle(make_incident(world["nodes"][0], "inc-warm"))
+    burst = world["nodes"][3:]
+    counts = count_calls(act.engine.kube)
+    await asyncio.gather(*(act.engine.handle(make_incident(n, f"inc-{n}")) for n in burst))
+    n = len(burst)
+    assert node_calls(counts) == {"patch_node": n, "create_namespaced_event": n, "patch_node_status": n}
