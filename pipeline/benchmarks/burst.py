@@ -245,6 +245,28 @@ class World:
         for proc in self.procs.values():
             await proc.start()
         await self.wait_members(list(self.procs))
+        await self.wait_baseline()
+
+    async def wait_baseline(self, limit_s: float = 300) -> None:
+        """Until every node carries xidflow's own conditions (False): the fleet's steady state.
+
+        A new actuator adds them to every GPU node it owns; timing a burst during that would measure the
+        first start of xidflow on a fleet, not a fault on a fleet it already watches.
+        """
+        from pipeline.actuator.problems import ProblemClass
+
+        wanted = {str(c) for c in ProblemClass}
+        deadline = time.monotonic() + limit_s
+        while True:
+            self.check_alive()
+            items = await self.kube.list_nodes(self.selector)
+            have = [{c["type"] for c in n.get("status", {}).get("conditions") or []} for n in items]
+            lacking = [h for h in have if not wanted <= h]
+            if items and not lacking:
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{len(lacking)} nodes still lack xidflow's conditions after {limit_s:.0f}s")
+            await asyncio.sleep(0.5)
 
     async def member_ids(self, proc: str) -> dict[str, str | None]:
         """group -> the broker's member id for this process's static membership (None: not a member)."""
