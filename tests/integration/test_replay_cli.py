@@ -180,7 +180,7 @@ def test_replay_on_a_produced_history_reports_and_changes_nothing(
         assert by_node[n2]["gpus"] == ["0000:1b:00.0"]
         assert by_node[n3]["rules"] == ["lost-gpu-reboot"] and by_node[n3]["quarantined"]
         assert by_node[n4]["refused_by_breaker"] and not by_node[n4]["quarantined"]
-        assert by_node[n5]["refused_by_breaker"] and by_node[n5]["actions"] == ["event", "notifyWorkload"]  # open breaker
+        assert by_node[n5]["refused_by_breaker"] and by_node[n5]["actions"] == ["event", "notifyWorkload"]
         diff = {(r["node"], r["action"], r["change"]) for r in rep["diff"]}
         assert diff == {(n1, "drain", "added"), (n1, "reboot", "added"), (n3, "drain", "added"),
                         (n3, "reboot", "added"), (n2, "resetGpu", "added")}
