@@ -111,16 +111,26 @@ def reboot_annotation_change(flow_key: str) -> NodeChange:
 
 
 # -- Events (conditions: pipeline.actuator.conditions) ---------------------------------------------------
-async def create_node_event(
-    kube: Kube, node: NodeView, name: str, reason: str, message: str, event_type: str = "Warning"
+async def create_event_once(
+    kube: Kube,
+    namespace: str,
+    name: str,
+    involved: Mapping[str, Any],
+    reason: str,
+    message: str,
+    event_type: str = "Warning",
 ) -> bool:
-    """Create the Event once: False when an Event of that deterministic name already exists."""
+    """Create the Event once: False when an Event of that deterministic name already exists.
+
+    The one shape of every Event xidflow writes (about a Node, a Pod, a policy object); the name is
+    derived from what it reports, so a redelivered record or a racing replica finds it instead of doubling.
+    """
     now = now_rfc3339()
     body = {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"name": name, "namespace": EVENT_NAMESPACE},
-        "involvedObject": {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.name},
+        "metadata": {"name": name, "namespace": namespace},
+        "involvedObject": dict(involved),
         "reason": reason,
         "message": message[:1024],
         "type": event_type,
@@ -132,10 +142,18 @@ async def create_node_event(
         "reportingInstance": "xidflow-actuator",
     }
     try:
-        await kube.create_event(EVENT_NAMESPACE, body)
+        await kube.create_event(namespace, body)
     except AlreadyExists:
         return False
     return True
+
+
+async def create_node_event(
+    kube: Kube, node: NodeView, name: str, reason: str, message: str, event_type: str = "Warning"
+) -> bool:
+    """The node's Event, once (see ``create_event_once``)."""
+    involved = {"apiVersion": "v1", "kind": "Node", "name": node.name, "uid": node.name}
+    return await create_event_once(kube, EVENT_NAMESPACE, name, involved, reason, message, event_type)
 
 
 # -- reboot and GPU reset hooks ------------------------------------------------------------------------------

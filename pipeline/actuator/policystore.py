@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, KubeError, KubeUnavailable, NotFound
+from pipeline.actuator.effects import EVENT_NAMESPACE, create_event_once
+from pipeline.actuator.kube import Forbidden, Kube, KubeError, KubeUnavailable, NotFound
 from pipeline.actuator.policy import (
     API_GROUP,
     API_VERSION,
@@ -44,7 +45,6 @@ log = logging.getLogger("xidflow.actuator.policy")
 
 PLURALS: dict[str, str] = {RESCUE_PLURAL: RESCUE_KIND, STANDBY_PLURAL: STANDBY_KIND}
 ACCEPTED = "Accepted"
-EVENT_NAMESPACE = "default"  # Events about cluster-scoped objects live in "default", as the kubelet's do.
 
 Key = tuple[str, str]  # (plural, name)
 
@@ -188,6 +188,15 @@ class PolicyStore:
         for doc in items:
             await self._report((plural, _name(doc)))
 
+    def evaluate(self, listed: Iterable[tuple[str, dict[str, Any]]]) -> PolicySet:
+        """The policy set these listed objects (plural, object) put in force, by the same rules as the watch
+        (each validated alone and with the others; a refused one falls back to its last valid version),
+        without writing anything: what ``xidflow replay`` compares a candidate against."""
+        for plural, doc in listed:
+            self._accept(plural, doc)
+        self._rebuild()
+        return self.current
+
     def _accept(self, plural: str, doc: dict[str, Any]) -> None:
         """Validate one object alone and with the others in force; valid versions replace the one in force."""
         key = (plural, _name(doc))
@@ -248,7 +257,7 @@ class PolicyStore:
             written = await self.kube.patch_cluster_object_status(API_GROUP, API_VERSION, plural, name, body)
             tracked.doc = {**tracked.doc, "status": written.get("status")}
             if tracked.error is not None:
-                await self._warn(tracked, now)
+                await self._warn(tracked)
         except NotFound:
             return  # deleted meanwhile; the watch will say so
         except Forbidden as exc:
@@ -258,35 +267,21 @@ class PolicyStore:
         except (KubeError, KubeUnavailable) as exc:
             log.warning("writing the status of %s/%s failed: %s", PLURALS[plural], name, exc)
 
-    async def _warn(self, tracked: Tracked, now: str) -> None:
+    async def _warn(self, tracked: Tracked) -> None:
         assert self.kube is not None
         meta = tracked.doc.get("metadata") or {}
         name, uid = str(meta.get("name")), str(meta.get("uid", ""))
-        body = {
-            "apiVersion": "v1",
-            "kind": "Event",
-            # One Event per refused generation, whichever replica writes it.
-            "metadata": {"name": f"{name[:200]}.{stable_id(uid, tracked.generation, 'invalid')[:16]}",
-                         "namespace": EVENT_NAMESPACE},
-            "involvedObject": {
-                "apiVersion": f"{API_GROUP}/{API_VERSION}",
-                "kind": tracked.doc.get("kind"),
-                "name": name,
-                "uid": uid,
-                "resourceVersion": meta.get("resourceVersion"),
-            },
-            "reason": "InvalidPolicy",
-            "message": desired_status(tracked)["conditions"][0]["message"][:1024],
-            "type": "Warning",
-            "source": {"component": "xidflow-actuator"},
-            "firstTimestamp": now,
-            "lastTimestamp": now,
-            "count": 1,
-            "reportingComponent": "xidflow.dev/actuator",
-            "reportingInstance": "xidflow-actuator",
+        involved = {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": tracked.doc.get("kind"),
+            "name": name,
+            "uid": uid,
+            "resourceVersion": meta.get("resourceVersion"),
         }
-        with contextlib.suppress(AlreadyExists):
-            await self.kube.create_event(EVENT_NAMESPACE, body)
+        # One Event per refused generation, whichever replica writes it.
+        event = f"{name[:200]}.{stable_id(uid, tracked.generation, 'invalid')[:16]}"
+        message = desired_status(tracked)["conditions"][0]["message"]
+        await create_event_once(self.kube, EVENT_NAMESPACE, event, involved, "InvalidPolicy", message)
 
     # -- watching -----------------------------------------------------------------------------------------
     @property

@@ -135,15 +135,12 @@ async def read_cluster(kube: Any, selector: str, settings: Any) -> ClusterView:
     )
     if use_crds:
         store = PolicyStore(None, settings)  # its validation and "last valid version" rules, without its writes
-        names = []
+        listed = []
         for plural in (RESCUE_PLURAL, STANDBY_PLURAL):
             page = await kube.list_cluster_objects_page(API_GROUP, API_VERSION, plural, settings.policy_label_selector)
-            for doc in page.get("items") or []:
-                store._accept(plural, doc)
-                if plural == RESCUE_PLURAL:
-                    names.append((doc.get("metadata") or {}).get("name", ""))
-        store._rebuild()
-        view.policies = store.current
+            listed += [(plural, doc) for doc in page.get("items") or []]
+        names = [(doc.get("metadata") or {}).get("name", "") for plural, doc in listed if plural == RESCUE_PLURAL]
+        view.policies = store.evaluate(listed)
         shown = ", ".join(sorted(names)) or "none, so the built-in default"
         view.baseline = f"RescuePolicy objects in the cluster ({shown})"
     elif settings.policy_file:

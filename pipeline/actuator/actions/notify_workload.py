@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects, workload
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
-from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
+from pipeline.actuator.kube import Forbidden, Kube, NotFound
 from schemas.records import NodeIncident, Outcome
 
 if TYPE_CHECKING:
@@ -74,30 +74,9 @@ async def _attribution(
 
 async def _create_pod_event(kube: Kube, pod: Mapping[str, Any], name: str, message: str) -> bool:
     meta = pod["metadata"]
-    now = effects.now_rfc3339()
-    body = {
-        "apiVersion": "v1",
-        "kind": "Event",
-        "metadata": {"name": name, "namespace": meta["namespace"]},
-        "involvedObject": {
-            "apiVersion": "v1", "kind": "Pod", "namespace": meta["namespace"], "name": meta["name"],
-            "uid": meta.get("uid", ""),
-        },
-        "reason": workload.EVENT_REASON,
-        "message": message,
-        "type": "Warning",
-        "source": {"component": "xidflow-actuator"},
-        "firstTimestamp": now,
-        "lastTimestamp": now,
-        "count": 1,
-        "reportingComponent": "xidflow.dev/actuator",
-        "reportingInstance": "xidflow-actuator",
-    }
-    try:
-        await kube.create_event(meta["namespace"], body)
-    except AlreadyExists:
-        return False
-    return True
+    involved = {"apiVersion": "v1", "kind": "Pod", "namespace": meta["namespace"], "name": meta["name"],
+                "uid": meta.get("uid", "")}
+    return await effects.create_event_once(kube, meta["namespace"], name, involved, workload.EVENT_REASON, message)
 
 
 async def _set_pod_condition(kube: Kube, pod: Mapping[str, Any], reason: str, message: str) -> bool:
