@@ -90,8 +90,8 @@ async def test_quarantining_a_node_costs_three_calls(world: dict[str, Any]) -> N
     assert any(t["key"] == "nvidia.com/gpu-fault" for t in node["spec"].get("taints") or [])
     assert node_calls(counts) == {"patch_node": 1, "create_namespaced_event": 1, "patch_node_status": 1}
     ledger = Ledger.from_annotations(node["metadata"].get("annotations"))
-    assert ledger.is_finished("inc-count") and ledger.owners(condition_effect_key("GpuCount")) == ["inc-count"]
-    assert any(c["type"] == "GpuCount" and c["status"] == "True" for c in node["status"]["conditions"])
+    assert ledger.is_finished("inc-count") and ledger.owners(condition_effect_key("GpuFellOffBus")) == ["inc-count"]
+    assert any(c["type"] == "GpuFellOffBus" and c["status"] == "True" for c in node["status"]["conditions"])
     assert len(await node_events(world["kube"], second)) == 1
 
     for _ in range(600):  # the watch has delivered our last write: decisions start from it
