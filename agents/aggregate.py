@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
+from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.fetch_watchdog import GuardedConsumer
-from schemas.records import DeadLetter, FaultEvent, NodeIncident, NodeRecovered
+from schemas.records import DeadLetter, DeadLetterCode, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
     from pipeline.app import XidflowApp
@@ -31,6 +32,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("xidflow.aggregate")
 
 STAGE = "aggregate"
+_DEAD_LETTERS = DeadLetterReporter(metrics.DEADLETTERS)
 
 
 def register(xapp: XidflowApp) -> None:
@@ -81,7 +83,7 @@ async def _apply_batch(
     for event in events:
         key = event.message.key
         if not key:
-            deliveries.append(await _dead(xapp, event, "fault event without a node key"))
+            deliveries.append(await _dead(xapp, event, "fault event without a node key", DeadLetterCode.NO_NODE))
             continue
         by_node.setdefault(key, []).append(event)
     now = time.time()
@@ -102,8 +104,8 @@ async def _apply_batch(
                     fault = FaultEvent.from_bytes(msg.value)
                     state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
             except Exception as exc:  # noqa: BLE001 - the worker never dies on input
-                log.warning("fault event at %s[%d]@%d rejected: %s", msg.topic, msg.partition, msg.offset, exc)
-                deliveries.append(await _dead(xapp, event, f"invalid fault event: {str(exc).splitlines()[0]}"))
+                reason = f"invalid fault event at {msg.topic}[{msg.partition}]@{msg.offset}: {str(exc).splitlines()[0]}"
+                deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
                 continue
             outputs += out
         new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
@@ -133,14 +135,12 @@ def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
         metrics.E2E_LATENCY.observe(max(0.0, now - record.source_ts.timestamp()))
 
 
-async def _dead(xapp: XidflowApp, event: Any, reason: str) -> Awaitable[Any]:
+async def _dead(xapp: XidflowApp, event: Any, reason: str, code: DeadLetterCode) -> Awaitable[Any]:
     """Send the event's dead letter; returns its delivery (to await before the offset may commit)."""
     msg = event.message
     key = msg.key.decode("utf-8", "replace") if msg.key else None
     letter = DeadLetter.of(
-        STAGE, reason, msg.value, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
+        STAGE, reason, msg.value, code, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
     )
-    log.warning("dead letter from %s: %s", msg.topic, reason)
-    metrics.DEADLETTERS.labels(STAGE, letter.code.value).inc()
+    _DEAD_LETTERS.report(letter)
     return await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
-

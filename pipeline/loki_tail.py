@@ -38,10 +38,13 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import orjson
 from websockets.exceptions import InvalidStatus
 
-from pipeline import kafka_clients
-from schemas.records import DeadLetter
+from pipeline import kafka_clients, metrics
+from pipeline.deadletter_log import DeadLetterReporter
+from schemas.records import DeadLetter, DeadLetterCode
 
 log = logging.getLogger(__name__)
+STAGE = metrics.LOKI_TAIL
+"""The stage its dead letters name (the metric label ``stage``): the process's own name."""
 
 
 class LokiRequestRejected(Exception):
@@ -304,6 +307,7 @@ class LokiTailBridge:
         self.topic = topic
         self.bootstrap_servers = bootstrap_servers
         self.deadletter_topic = deadletter_topic
+        self._dead_letters = DeadLetterReporter(metrics.LOKI_TAIL_DEADLETTERS)
         self.node_label = node_label
         self.first_start_ns = start_ns
         self.delay_for_s = delay_for_s
@@ -449,14 +453,16 @@ class LokiTailBridge:
         futures = []
         sent = 0
         for problem in message.malformed:
-            futures.append(await self._dead_letter(producer, f"malformed Loki tail message: {problem}", raw))
+            futures.append(await self._dead_letter(
+                producer, f"malformed Loki tail message: {problem}", raw, DeadLetterCode.UNKNOWN_SHAPE
+            ))
         fresh = self.cursor.select_new(message.entries)
         self.stats.skipped_replays += len(message.entries) - len(fresh)
         for entry in fresh:
             node = node_of(entry, self.node_label)
             if node is None:
                 reason = f"Loki stream has no '{self.node_label}' label: {dict(entry.labels)}"
-                futures.append(await self._dead_letter(producer, reason, encode_entry(entry)))
+                futures.append(await self._dead_letter(producer, reason, encode_entry(entry), DeadLetterCode.NO_NODE))
                 continue
             futures.append(
                 await producer.send(
@@ -471,7 +477,8 @@ class LokiTailBridge:
             self.cursor.mark(entry)
         self.stats.produced += sent
 
-    async def _dead_letter(self, producer: Any, reason: str, payload: str | bytes) -> Any:
+    async def _dead_letter(self, producer: Any, reason: str, payload: str | bytes, code: DeadLetterCode) -> Any:
         self.stats.dead_letters += 1
-        letter = DeadLetter.of("loki-tail", reason, payload)
+        letter = DeadLetter.of(STAGE, reason, payload, code)
+        self._dead_letters.report(letter)
         return await producer.send(self.deadletter_topic, letter.to_bytes())

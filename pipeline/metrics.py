@@ -50,10 +50,20 @@ disable_created_metrics()  # no *_created twin of every counter series: half the
 LINES_IN = Counter("xidflow_lines_total", "Raw log records read from the input topics (source: the topic)",
                    ["source"], registry=None)
 FAULT_EVENTS = Counter("xidflow_fault_events_total", "Recognised fault events", ["kind"], registry=None)
-DEADLETTERS = Counter(
-    "xidflow_deadletters_total", "Records sent to the dead-letter topic (reason: a DeadLetterCode value)",
-    ["stage", "reason"], registry=None,
-)
+
+
+def _deadletters() -> Counter:
+    return Counter(
+        "xidflow_deadletters_total", "Records sent to the dead-letter topic (reason: a DeadLetterCode value)",
+        ["stage", "reason"], registry=None,
+    )
+
+
+# One series name in every process that dead-letters, one object each: a process's counter only ever
+# holds its own stages (pipeline.deadletter_log reports into the one it is given).
+DEADLETTERS = _deadletters()
+ACTUATOR_DEADLETTERS = _deadletters()
+LOKI_TAIL_DEADLETTERS = _deadletters()
 OUTPUT_FAILURES = Counter(
     "xidflow_output_failures_total", "Outputs refused by the producer or broker, replaced by a dead letter",
     registry=None,
@@ -133,15 +143,20 @@ COMPONENT_METRICS: dict[str, tuple[MetricWrapperBase, ...]] = {
              E2E_LATENCY, CONSUMER_LAG, LAG_REFRESHED),
     ACTUATOR: (REMEDIATIONS, BREAKER_OPEN, BREAKER_WINDOW_NODES, BREAKER_WINDOW_SHARE, BREAKER_MAX_SHARE,
                GPU_NODES, QUARANTINED_NODES, FLOW_STEP_AGE, FLOW_STEP_TIMEOUT, FLOW_STEPS_OPEN,
-               NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED),
+               NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED, ACTUATOR_DEADLETTERS),
     PROBE: (),
-    LOKI_TAIL: (),
+    LOKI_TAIL: (LOKI_TAIL_DEADLETTERS,),
 }
 """What each process exports (besides process_*/python_* of its own): nothing else reaches its /metrics."""
 
 OTHER = "other"
 WORKER_DEADLETTER_STAGES = ("adapter", "parse", "aggregate")
 """Stages of the worker that dead-letter (``pipeline.adapters``, ``pipeline.parse_stage``, ``agents.aggregate``)."""
+
+
+def deadletter_label_values(*stages: str) -> list[tuple[str, str]]:
+    """Every (stage, code) series of ``xidflow_deadletters_total`` for these stages (pure)."""
+    return [(s, c.value) for s in stages for c in DeadLetterCode]
 
 LabelValues = Mapping[MetricWrapperBase, Iterable[tuple[str, ...]]]
 
@@ -156,7 +171,7 @@ def worker_label_values(raw_topics: Iterable[str]) -> dict[MetricWrapperBase, li
     return {
         LINES_IN: [(t,) for t in dict.fromkeys(raw_topics)],
         FAULT_EVENTS: [(k.value,) for k in FaultKind],
-        DEADLETTERS: [(s, c.value) for s in WORKER_DEADLETTER_STAGES for c in DeadLetterCode],
+        DEADLETTERS: deadletter_label_values(*WORKER_DEADLETTER_STAGES),
         INCIDENTS: [(a.value,) for a in Action],
         RECOVERIES: [(r,) for r in get_args(NodeRecovered.model_fields["reason"].annotation)],
     }

@@ -52,6 +52,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pipeline import kafka_clients, metrics
 from pipeline.bounds import DEFAULT_MAX_DEAD_LETTERS, DEFAULT_MAX_LINE_CHARS, cap_dead_letters, clip_record
 from pipeline.catalog import Catalog
+from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.group_membership import leave_on_close
 from pipeline.liveness import LIVENESS, Component
 from pipeline.settings import ConsumerGroupSettings, TopicNames
@@ -580,9 +581,7 @@ class ParseStage:
         self.counters = StageCounters()
         self.assigned: set[TopicPartition] = set()
         self._stopping = asyncio.Event()
-        self._dead_log_budget = 0.0
-        self._dead_log_at = time.monotonic()
-        self._dead_suppressed = 0
+        self._dead_letters = DeadLetterReporter(metrics.DEADLETTERS, self.settings.dead_letter_log_per_s)
         self._inflight: collections.deque[asyncio.Task] = collections.deque()
         self._inflight_bytes: collections.deque[int] = collections.deque()  # output bytes of each settle
         # Per input partition: offsets below this had their dead letters acknowledged; a replay of
@@ -777,8 +776,7 @@ class ParseStage:
                 if dl.offset < self._dead_sent.get((dl.topic, dl.partition), -1):
                     self.counters.dead_letters_skipped += 1
                     continue
-            self._log_dead_letter(dl)
-            metrics.DEADLETTERS.labels(dl.stage, dl.code.value).inc()
+            self._dead_letters.report(dl)
             fallback = _letter_letter(dl)
             try:
                 data = dl.to_bytes()
@@ -811,8 +809,7 @@ class ParseStage:
                     raise
                 exc = again
                 continue
-            metrics.DEADLETTERS.labels(letter.stage, letter.code.value).inc()
-            self._log_dead_letter(letter)
+            self._dead_letters.report(letter)
             return
         self.counters.outputs_lost += 1
         metrics.OUTPUTS_LOST.inc()
@@ -851,19 +848,6 @@ class ParseStage:
             self.counters.commit_failures += 1
             log.warning("parse commit failed (%s); records will be replayed by the partition owner", exc)
             return False
-
-    def _log_dead_letter(self, dl: DeadLetter) -> None:
-        now = time.monotonic()
-        rate = self.settings.dead_letter_log_per_s
-        self._dead_log_budget = min(rate, self._dead_log_budget + (now - self._dead_log_at) * rate)
-        self._dead_log_at = now
-        if self._dead_log_budget >= 1:
-            self._dead_log_budget -= 1
-            extra = f" ({self._dead_suppressed} more not logged)" if self._dead_suppressed else ""
-            self._dead_suppressed = 0
-            log.warning("dead letter from %s: %s%s", dl.topic, dl.reason, extra)
-        else:
-            self._dead_suppressed += 1
 
 
 async def _let_fetcher_run() -> None:

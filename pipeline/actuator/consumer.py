@@ -22,16 +22,19 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from pydantic import ValidationError
 
-from pipeline import kafka_clients
+from pipeline import kafka_clients, metrics
 from pipeline.actuator import signing
+from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.group_membership import leave_on_close
 from pipeline.settings import ConsumerGroupSettings
-from schemas.records import ACTUATOR_INPUT, DeadLetter, NodeIncident, NodeRecovered, RescueActionRequest
+from schemas.records import ACTUATOR_INPUT, DeadLetter, DeadLetterCode, NodeIncident, NodeRecovered, RescueActionRequest
 
 ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest
 Handler = Callable[[ActuatorRecord, Callable[[], None]], Awaitable[None]]
 
 log = logging.getLogger("xidflow.actuator.consumer")
+STAGE = metrics.ACTUATOR
+"""The stage its dead letters name (the metric label ``stage``): the process's own name."""
 
 
 class OffsetTracker:
@@ -76,23 +79,34 @@ class OffsetTracker:
 _TOPIC_TYPES = {"incidents": ("incident", "recovered"), "requests": ("rescue_request",)}
 
 
+class UndecodableRecord(ValueError):
+    """A record the actuator cannot take, with why as a dead-letter code."""
+
+    def __init__(self, message: str, code: DeadLetterCode) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 def decode_record(topic_kind: str, value: bytes) -> ActuatorRecord:
-    """An incident-topic record (by its ``type``) or a rescue request; raises ValueError if neither."""
+    """An incident-topic record (by its ``type``) or a rescue request; raises UndecodableRecord if neither."""
+    if not value:
+        raise UndecodableRecord("empty record", DeadLetterCode.EMPTY)
     try:
         data = orjson.loads(value)
     except orjson.JSONDecodeError as exc:
-        raise ValueError(f"not JSON: {exc}") from None
+        raise UndecodableRecord(f"not JSON: {exc}", DeadLetterCode.INVALID_JSON) from None
     if not isinstance(data, dict):
-        raise ValueError("not a JSON object")
+        raise UndecodableRecord("not a JSON object", DeadLetterCode.UNKNOWN_SHAPE)
     if topic_kind == "requests":
         data.setdefault("type", "rescue_request")
     if data.get("type") not in _TOPIC_TYPES[topic_kind]:
-        raise ValueError(f"unknown record type {data.get('type')!r}")
+        raise UndecodableRecord(f"unknown record type {data.get('type')!r}", DeadLetterCode.UNKNOWN_SHAPE)
     try:
         return _validate(data)
     except ValidationError as exc:
         first = exc.errors()[0]
-        raise ValueError(f"invalid {data.get('type')}: {first['msg']} at {first['loc']}") from None
+        message = f"invalid {data.get('type')}: {first['msg']} at {first['loc']}"
+        raise UndecodableRecord(message, DeadLetterCode.INVALID_RECORD) from None
 
 
 _validate = ACTUATOR_INPUT.validate_python
@@ -119,6 +133,7 @@ class ActuatorConsumer:
     ) -> None:
         self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
         self.deadletter_topic = deadletter_topic
+        self._dead_letters = DeadLetterReporter(metrics.ACTUATOR_DEADLETTERS)
         self.handle = handle
         self.max_in_flight = max_in_flight
         self.commit_interval = commit_interval
@@ -191,16 +206,18 @@ class ActuatorConsumer:
         self.tracker.started(tp, msg.offset)
         try:
             record = decode_record(self.topics[tp.topic], msg.value)
-        except ValueError as exc:
+        except UndecodableRecord as exc:
             letter = DeadLetter.of(
-                "actuator",
+                STAGE,
                 str(exc),
                 msg.value,
+                exc.code,
                 topic=tp.topic,
                 partition=tp.partition,
                 offset=msg.offset,
                 key=msg.key.decode("utf-8", "replace") if msg.key else None,
             )
+            self._dead_letters.report(letter)
             await self.producer.send_and_wait(self.deadletter_topic, letter.to_bytes(), key=msg.key)
             self.tracker.done(tp, msg.offset)
             return

@@ -66,6 +66,7 @@ def label_values(webhooks: Iterable[str] = ()) -> dict[Any, list[tuple[str, ...]
         metrics.FLOW_STEPS_OPEN: [(a,) for a in STEP_ACTIONS],
         metrics.NOTIFICATIONS: [(w, r) for w in hooks for r in ("delivered", "failed", "dropped")],
         metrics.NOTIFICATION_ATTEMPTS: [(w,) for w in hooks],
+        metrics.ACTUATOR_DEADLETTERS: metrics.deadletter_label_values(metrics.ACTUATOR),
     }
 
 

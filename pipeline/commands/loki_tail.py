@@ -95,10 +95,13 @@ def loki_tail(
         raise click.BadParameter(str(exc), param_hint="--loki-url") from exc
 
     async def main() -> None:
+        from pipeline import metrics
         from pipeline.heartbeat import with_liveness
-        from pipeline.metrics import serve_metrics
+        from pipeline.loki_tail import STAGE
 
-        serve_metrics(component="loki-tail")
+        metrics.serve_metrics(
+            component=metrics.LOKI_TAIL, values={metrics.LOKI_TAIL_DEADLETTERS: metrics.deadletter_label_values(STAGE)}
+        )
         await loki_reachable(loki_url)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()

@@ -249,6 +249,18 @@ async def test_worker_and_actuator_export_their_own_metrics_and_the_quarantine_g
         await eventually(actuator, actuator_port, lambda s: value(
             s, "xidflow_consumer_lag", group=group, topic=incidents) == 0, "the incident committed")
 
+        # A record the actuator cannot read: a dead letter, counted by its own counter with its code.
+        assert value(act, "xidflow_deadletters_total", stage="actuator", reason="invalid_json") == 0
+        producer = kafka_clients.producer(env.bootstrap)
+        await producer.start()
+        try:
+            await producer.send_and_wait(incidents, b"{not json", key=nodes[2].encode())
+        finally:
+            await producer.stop()
+        act = await eventually(actuator, actuator_port, lambda s: value(
+            s, "xidflow_deadletters_total", stage="actuator", reason="invalid_json") == 1, "the actuator's dead letter")
+        assert "dead letter from" in actuator.tail() and "(actuator, invalid_json)" in actuator.tail()
+
         # A person's cordon of another node is not xidflow's quarantine.
         await env.kube._call(env.kube.core.patch_node, nodes[1], {"spec": {"unschedulable": True}})
         await asyncio.sleep(3)  # a few refreshes (1 s): the gauge must not count it

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from pipeline.actuator.actions.drain import drain_candidates
 from pipeline.actuator.breaker import decide_admissions, take_drain_slot
-from pipeline.actuator.consumer import OffsetTracker, decode_record
+from pipeline.actuator.consumer import OffsetTracker, UndecodableRecord, decode_record
 from pipeline.actuator.effects import (
     choose_standby,
     cordon_change,
@@ -179,10 +179,13 @@ def test_committed_offset_never_passes_an_unfinished_record(order: list[int]) ->
 def test_decode_discriminates_by_type_and_rejects_garbage() -> None:
     recovered = b'{"type": "recovered", "incident_id": "i", "node": "n", "reason": "quiet"}'
     assert type(decode_record("incidents", recovered)).__name__ == "NodeRecovered"
-    for bad in (b"nope", b"[]", b'{"type": "other"}', b'{"type": "incident"}'):
+    cases = {b"": "empty", b"nope": "invalid_json", b"[]": "unknown_shape", b'{"type": "other"}': "unknown_shape",
+             b'{"type": "incident"}': "invalid_record"}
+    for bad, code in cases.items():
         try:
             decode_record("incidents", bad)
-        except ValueError:
+        except UndecodableRecord as exc:  # a ValueError with the dead letter's code (the metric label)
+            assert exc.code.value == code, (bad, exc.code)
             continue
         raise AssertionError(f"accepted {bad!r}")
 

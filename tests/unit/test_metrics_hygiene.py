@@ -121,7 +121,13 @@ def test_each_process_registry_holds_only_its_own_metrics() -> None:
     worker = {n for n, _ in _series(metrics.build_registry(metrics.WORKER)) if n.startswith("xidflow_")}
     actuator = {n for n, _ in _series(metrics.build_registry(metrics.ACTUATOR)) if n.startswith("xidflow_")}
     assert "xidflow_remediations_total" not in worker and "xidflow_quarantined_nodes" not in worker
-    assert "xidflow_lines_total" not in actuator and "xidflow_deadletters_total" not in actuator
+    assert "xidflow_lines_total" not in actuator and "xidflow_fault_events_total" not in actuator
+    # Both export xidflow_deadletters_total, each from its own counter: only its own stages.
+    metrics.initialise({metrics.DEADLETTERS: metrics.worker_label_values([])[metrics.DEADLETTERS]})
+    metrics.initialise({metrics.ACTUATOR_DEADLETTERS: fleetmetrics.label_values()[metrics.ACTUATOR_DEADLETTERS]})
+    stages = {dict(labels)["stage"] for n, labels in _series(metrics.build_registry(metrics.ACTUATOR))
+              if n == "xidflow_deadletters_total"}
+    assert stages == {"actuator"}
     probe = _series(metrics.build_registry(metrics.PROBE))
     assert not [n for n, _ in probe if n.startswith("xidflow_")]
     assert any(n.startswith("process_") for n, _ in probe)
