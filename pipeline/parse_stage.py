@@ -616,7 +616,13 @@ class ParseStage:
             bootstrap=self.bootstrap,
             client_id=self.client_id,
             acks="all",
-            enable_idempotence=True,
+            # Not idempotent: aiokafka's idempotent producer cannot go on after the broker refuses one
+            # record (MessageSizeTooLarge): the next batch to that partition fails with
+            # OutOfOrderSequenceNumber (it has no epoch bump, KIP-360), which would restart the stage
+            # for a per-record refusal that must only be a dead letter. Order is kept without it
+            # (aiokafka sends one batch per partition at a time); a retry after a lost acknowledgement
+            # may repeat a fault event, which the aggregation merges (at-least-once, as everywhere).
+            enable_idempotence=False,
             linger_ms=s.linger_ms,
         )
         await producer.start()
