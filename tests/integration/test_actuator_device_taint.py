@@ -6,7 +6,6 @@ The test publishes ResourceSlices as a DRA GPU driver would (eight GPUs with the
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -15,7 +14,6 @@ import yaml
 from pipeline.actuator.actions import taint_device as td
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.testing import make_incident
-from pipeline.kafka_admin import ensure_topics
 from schemas.records import Action, NodeIncident, NodeRecovered
 from tests.integration.test_actuator_effects import Env
 from tests.unit.test_taint_device import EIGHT, gpu_slice
@@ -24,13 +22,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 FAULTY = "0000:4e:00.0"  # make_incident's PCI address: gpu-3 of EIGHT
 
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
-    yield world
-    await world.close()
 
 
 def per_gpu_policy(**attrs: Any) -> PolicySet:

@@ -4,7 +4,6 @@ reboot hooks with bootID completion, GPU reset Job, warm standby, attempt cap - 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -13,20 +12,12 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import make_incident, set_node_ready, wait_until
-from pipeline.kafka_admin import ensure_topics
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
-    yield world
-    await world.close()
 
 
 def policy(actions: str, code: int = 79) -> Any:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -20,7 +20,6 @@ from pipeline.actuator.testing import (
     node_events,
     read_audit,
 )
-from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import Action, NodeRecovered, Outcome
 
@@ -90,13 +89,6 @@ class Env:
             pass
         self.kube.close()
 
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
-    yield world
-    await world.close()
 
 
 def outcomes(records: list[Any], node: str) -> list[tuple[str, str]]:

@@ -4,7 +4,6 @@ it works, and it gets 403 reading Secrets or deleting Nodes (the API server runs
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +14,6 @@ from kubernetes import client, config
 from pipeline.actuator.app import Actuator
 from pipeline.actuator.kube import Forbidden, Kube
 from pipeline.actuator.testing import make_incident, node_events
-from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import KafkaSettings
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
@@ -26,13 +24,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
 RBAC_FILE = Path(__file__).resolve().parents[2] / "deploy" / "rbac" / "actuator.yaml"
 
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
-    yield world
-    await world.close()
 
 
 def shipped_rbac(namespace: str, cluster_name: str) -> list[dict[str, Any]]:

@@ -9,7 +9,6 @@ it again; once a person returns nodes to service, new quarantines are admitted u
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 
 import orjson
 import pytest
@@ -17,18 +16,10 @@ from click.testing import CliRunner
 
 from pipeline.actuator.testing import make_incident
 from pipeline.cli import cli
-from pipeline.kafka_admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
-    yield world
-    await world.close()
 
 
 async def cordoned(env: Env, names: list[str]) -> list[str]:
