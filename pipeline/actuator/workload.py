@@ -22,6 +22,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from pipeline.actuator.dra import find_devices
 from schemas.records import FaultKind, NodeIncident, WorkloadOwner, WorkloadPod, WorkloadSummary
 
 GPU_FAULT_CONDITION = "xidflow.dev/GPUFault"
@@ -29,7 +30,6 @@ GPU_FAULT_CONDITION = "xidflow.dev/GPUFault"
 pod condition and in a Job's ``podFailurePolicy.rules[].onPodConditions[].type``)."""
 EVENT_REASON = "GPUFault"
 """Reason of the Warning Event on each affected pod."""
-PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 """The standard device attribute DRA drivers publish in their ResourceSlices."""
 GPU_RESOURCE_PREFIXES = ("nvidia.com/",)
 """Extended resources (device plugin) that mean the pod uses a GPU: nvidia.com/gpu, nvidia.com/mig-*."""
@@ -123,39 +123,9 @@ def uses_gpu(pod: Mapping[str, Any]) -> bool:
     return False
 
 
-def normalise_pci(value: str) -> str:
-    """Lowercase ``dddd:bb:dd.f``; a bus id without the domain gets ``0000:``."""
-    text = value.strip().lower()
-    return f"0000:{text}" if text.count(":") == 1 else text
-
-
-def _attributes(device: Mapping[str, Any]) -> Mapping[str, Any]:
-    # resource.k8s.io/v1 puts attributes on the device; v1beta1 under ``basic``.
-    return device.get("attributes") or (device.get("basic") or {}).get("attributes") or {}
-
-
-def _attribute_value(attr: Any) -> str | None:
-    if isinstance(attr, Mapping):
-        for kind in ("string", "version"):
-            if isinstance(attr.get(kind), str):
-                return attr[kind]
-        return None
-    return attr if isinstance(attr, str) else None
-
-
 def devices_with_pci(slices: Iterable[Mapping[str, Any]], pci: str) -> set[DeviceId]:
     """The ResourceSlice devices whose ``resource.kubernetes.io/pciBusID`` attribute is ``pci``."""
-    want = normalise_pci(pci)
-    found: set[DeviceId] = set()
-    for slc in slices:
-        spec = slc.get("spec") or {}
-        driver = str(spec.get("driver") or "")
-        pool = str((spec.get("pool") or {}).get("name") or "")
-        for device in spec.get("devices") or []:
-            value = _attribute_value(_attributes(device).get(PCI_ATTRIBUTE))
-            if value is not None and normalise_pci(value) == want:
-                found.add((driver, pool, str(device.get("name") or "")))
-    return found
+    return {(d.driver, d.pool, d.device) for d in find_devices(slices, pci)}
 
 
 def pod_claim_names(pod: Mapping[str, Any]) -> list[str]:

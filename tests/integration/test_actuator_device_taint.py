@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
+from pipeline.actuator import dra
 from pipeline.actuator.actions import taint_device as td
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.testing import make_incident
@@ -42,7 +43,7 @@ def gpu_incident(node: str, iid: str, pci: str = FAULTY, code: int = 48) -> Node
 async def publish_slices(env: Env, node: str) -> str:
     body = gpu_slice(node, EIGHT)
     body["metadata"]["name"] = env.unique("slice")
-    await env.kube.create_cluster_object(td.GROUP, td.SLICE_VERSION, td.SLICES, body)
+    await env.kube.create_cluster_object(dra.GROUP, dra.SLICE_VERSION, dra.SLICES, body)
     return body["metadata"]["name"]
 
 
@@ -54,7 +55,7 @@ async def rules_of(env: Env, node: str) -> list[dict[str, Any]]:
 
 async def cleanup(env: Env, slices: list[str], rules: list[str]) -> None:
     for name in slices:
-        await env.kube.delete_cluster_object(td.GROUP, td.SLICE_VERSION, td.SLICES, name)
+        await env.kube.delete_cluster_object(dra.GROUP, dra.SLICE_VERSION, dra.SLICES, name)
     await td.delete_rules(env.kube, rules)
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 import yaml
 
-from pipeline.actuator import workload
+from pipeline.actuator import dra, workload
 from pipeline.actuator.actions import ACTION_NAMES
 from pipeline.actuator.testing import make_incident
 from schemas.records import FaultKind
@@ -36,7 +36,7 @@ def owned_by(kind: str, name: str, api: str) -> dict[str, Any]:
 
 def slice_(driver: str, pool: str, devices: dict[str, str], v1beta1: bool = False) -> dict[str, Any]:
     def dev(name: str, pci: str) -> dict[str, Any]:
-        attrs = {workload.PCI_ATTRIBUTE: {"string": pci}, "index": {"int": 0}}
+        attrs = {dra.PCI_ATTRIBUTE: {"string": pci}, "index": {"int": 0}}
         return {"name": name, "basic": {"attributes": attrs}} if v1beta1 else {"name": name, "attributes": attrs}
 
     return {"spec": {"driver": driver, "pool": {"name": pool}, "nodeName": "gpu-1",

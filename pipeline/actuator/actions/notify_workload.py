@@ -15,7 +15,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pipeline.actuator import effects, workload
+from pipeline.actuator import dra, effects, workload
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
 from pipeline.actuator.kube import Forbidden, Kube, NotFound
 from schemas.records import NodeIncident, Outcome
@@ -23,7 +23,6 @@ from schemas.records import NodeIncident, Outcome
 if TYPE_CHECKING:
     from pipeline.actuator.plan import Step
 
-DRA_GROUP, DRA_VERSION = "resource.k8s.io", "v1"
 
 
 async def _read_owners(kube: Kube, keys: set[workload.Key]) -> dict[workload.Key, dict[str, Any]]:
@@ -44,7 +43,7 @@ async def _read_claims(kube: Kube, pods: list[dict[str, Any]]) -> dict[tuple[str
 
     async def one(key: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any] | None]:
         try:
-            return key, await kube.get_namespaced_object(DRA_GROUP, DRA_VERSION, key[0], "resourceclaims", key[1])
+            return key, await kube.get_namespaced_object(dra.GROUP, dra.SLICE_VERSION, key[0], "resourceclaims", key[1])
         except (NotFound, Forbidden):
             return key, None  # that pod's devices stay unknown
 
@@ -61,9 +60,9 @@ async def _attribution(
     if not any(workload.pod_claim_names(p) for p in pods):
         return set(), {}, "no pod on the node has a DRA resource claim (GPUs through the device plugin)"
     try:
-        slices = await kube.list_resource_slices(node, DRA_VERSION)
+        slices = await kube.list_resource_slices(node, dra.SLICE_VERSION)
     except NotFound:
-        return set(), {}, f"the API server does not serve {DRA_GROUP}/{DRA_VERSION}"
+        return set(), {}, f"the API server does not serve {dra.GROUP}/{dra.SLICE_VERSION}"
     except Forbidden:
         return set(), {}, "not allowed to list ResourceSlices"
     faulty = workload.devices_with_pci(slices, pci)

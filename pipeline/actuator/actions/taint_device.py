@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.dra import GROUP, PCI_ATTRIBUTE, SLICE_VERSION, DeviceRef, find_devices, normalise_bdf
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.ownership import CORDON
 from pipeline.catalog import Catalog
@@ -38,15 +39,10 @@ if TYPE_CHECKING:
     from pipeline.actuator.ownership import Ledger
     from pipeline.actuator.plan import Step
 
-GROUP = "resource.k8s.io"
-SLICE_VERSION = "v1"
-"""ResourceSlice: GA, served by default since Kubernetes 1.34."""
 RULE_VERSION = "v1beta2"
 """DeviceTaintRule: 1.36 serves it at v1beta2 only, behind the beta feature gate DRADeviceTaintRules (off by
 default: ``--feature-gates=DRADeviceTaintRules=true --runtime-config=resource.k8s.io/v1beta2=true``)."""
-SLICES, RULES = "resourceslices", "devicetaintrules"
-PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
-"""The standard device attribute DRA drivers publish the PCI address under (``dddd:bb:dd.f``)."""
+RULES = "devicetaintrules"
 MANAGED_BY = "app.kubernetes.io/managed-by"
 MANAGED_BY_VALUE = "xidflow"
 NODE_LABEL = "xidflow.dev/node"
@@ -57,20 +53,10 @@ EFFECT_PREFIX = "devicetaintrule:"
 DEFAULT_MAX_TAINTED_DEVICES = 2
 DEVICE_EFFECTS = ("NoSchedule", "NoExecute")
 
-_BDF = re.compile(r"^(?:pci:)?([0-9a-f]{1,8}):([0-9a-f]{1,2}):([0-9a-f]{1,2})(?:\.([0-7]))?$")
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
 
 # -- pure parts ---------------------------------------------------------------------------------------
-def normalise_bdf(address: str) -> str | None:
-    """``dddd:bb:dd.f`` lowercase (function 0 when absent, 8-digit domains folded), or None if not a BDF."""
-    m = _BDF.match(address.strip().lower())
-    if not m:
-        return None
-    domain, bus, dev, fn = m.groups()
-    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{int(fn or '0')}"
-
-
 def node_label_value(node: str) -> str:
     """The node's name as a label value; a name that is no valid label value (over 63) becomes a hash."""
     return node if len(node) <= 63 and _LABEL_VALUE.match(node) else f"h-{stable_id(node)[:32]}"
@@ -79,47 +65,6 @@ def node_label_value(node: str) -> str:
 def rule_name(node: str, pci: str, device: DeviceRef) -> str:
     """Deterministic per (node, PCI bus id, device): every replica and every redelivery names the same rule."""
     return effects.object_name("xidflow-gpu", node, pci, device.driver, device.pool, device.device, length=20)
-
-
-@dataclass(frozen=True, order=True)
-class DeviceRef:
-    """One device as a DRA driver publishes it: what a DeviceTaintRule's selector names."""
-
-    driver: str
-    pool: str
-    device: str
-
-
-def _attribute(attrs: Mapping[str, Any], name: str) -> str | None:
-    value = attrs.get(name)
-    return value.get("string") if isinstance(value, Mapping) else None
-
-
-def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRef]:
-    """Devices of the node's ResourceSlices whose ``resource.kubernetes.io/pciBusID`` is ``pci``.
-
-    Only each pool's newest generation counts (a driver replaces a pool by publishing a higher one; the
-    older slices are stale until it deletes them). Several devices may share one GPU's address (MIG or
-    partitions): all of them are returned.
-    """
-    wanted = normalise_bdf(pci)
-    newest: dict[tuple[str, str], int] = {}
-    parsed: list[tuple[str, str, int, list[Mapping[str, Any]]]] = []
-    for item in slices:
-        spec = item.get("spec") or {}
-        pool = spec.get("pool") or {}
-        driver, name, gen = str(spec.get("driver", "")), str(pool.get("name", "")), int(pool.get("generation", 0))
-        parsed.append((driver, name, gen, spec.get("devices") or []))
-        newest[(driver, name)] = max(gen, newest.get((driver, name), gen))
-    found: set[DeviceRef] = set()
-    for driver, pool, gen, devices in parsed:
-        if wanted is None or gen != newest[(driver, pool)]:
-            continue
-        for device in devices:
-            address = _attribute(device.get("attributes") or {}, PCI_ATTRIBUTE)
-            if address and normalise_bdf(address) == wanted:
-                found.add(DeviceRef(driver, pool, str(device.get("name", ""))))
-    return sorted(found)
 
 
 def rule_body(
@@ -222,7 +167,7 @@ def effect_key(name: str) -> str:
 async def node_slices(kube: Kube, node: str) -> list[dict[str, Any]]:
     """The node's ResourceSlices; none when the API server does not serve them (no DRA)."""
     try:
-        return await kube.list_cluster_objects_all(GROUP, SLICE_VERSION, SLICES, field_selector=f"spec.nodeName={node}")
+        return await kube.list_resource_slices(node, SLICE_VERSION)
     except NotFound:
         return []
 

@@ -1,0 +1,86 @@
+"""Dynamic Resource Allocation facts xidflow reads: which published device sits at a PCI address (pure).
+
+DRA drivers publish their devices in ResourceSlices with the standard attribute
+``resource.kubernetes.io/pciBusID``. Per-GPU quarantine (``taintDevice``) selects the faulty device by
+it, and ``notifyWorkload`` matches pods' claim allocations to it; both ask ``find_devices``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+GROUP = "resource.k8s.io"
+SLICE_VERSION = "v1"
+"""ResourceSlice and ResourceClaim: GA, served by default since Kubernetes 1.34."""
+SLICES = "resourceslices"
+PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
+"""The standard device attribute DRA drivers publish the PCI address under (``dddd:bb:dd.f``)."""
+
+_BDF = re.compile(r"^(?:pci:)?([0-9a-f]{1,8}):([0-9a-f]{1,2}):([0-9a-f]{1,2})(?:\.([0-7]))?$")
+
+
+def normalise_bdf(address: str) -> str | None:
+    """``dddd:bb:dd.f`` lowercase (function 0 when absent, domain 0000 when absent, 8-digit domains
+    folded), or None if not a PCI address."""
+    text = address.strip().lower()
+    if text.count(":") == 1:
+        text = f"0000:{text}"
+    m = _BDF.match(text)
+    if not m:
+        return None
+    domain, bus, dev, fn = m.groups()
+    return f"{int(domain, 16):04x}:{int(bus, 16):02x}:{int(dev, 16):02x}.{int(fn or '0')}"
+
+
+@dataclass(frozen=True, order=True)
+class DeviceRef:
+    """One device as a DRA driver publishes it: what a DeviceTaintRule's selector and a claim's
+    allocation name."""
+
+    driver: str
+    pool: str
+    device: str
+
+
+def _attributes(device: Mapping[str, Any]) -> Mapping[str, Any]:
+    # resource.k8s.io/v1 puts attributes on the device; v1beta1 under ``basic``.
+    return device.get("attributes") or (device.get("basic") or {}).get("attributes") or {}
+
+
+def _text(attr: Any) -> str | None:
+    if isinstance(attr, Mapping):
+        for kind in ("string", "version"):
+            if isinstance(attr.get(kind), str):
+                return attr[kind]
+        return None
+    return attr if isinstance(attr, str) else None
+
+
+def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRef]:
+    """Devices of the node's ResourceSlices whose ``resource.kubernetes.io/pciBusID`` is ``pci``.
+
+    Only each pool's newest generation counts (a driver replaces a pool by publishing a higher one; the
+    older slices are stale until it deletes them). Several devices may share one GPU's address (MIG or
+    partitions): all of them are returned.
+    """
+    wanted = normalise_bdf(pci)
+    newest: dict[tuple[str, str], int] = {}
+    parsed: list[tuple[str, str, int, list[Mapping[str, Any]]]] = []
+    for item in slices:
+        spec = item.get("spec") or {}
+        pool = spec.get("pool") or {}
+        driver, name, gen = str(spec.get("driver", "")), str(pool.get("name", "")), int(pool.get("generation", 0))
+        parsed.append((driver, name, gen, spec.get("devices") or []))
+        newest[(driver, name)] = max(gen, newest.get((driver, name), gen))
+    found: set[DeviceRef] = set()
+    for driver, pool, gen, devices in parsed:
+        if wanted is None or gen != newest[(driver, pool)]:
+            continue
+        for device in devices:
+            address = _text(_attributes(device).get(PCI_ATTRIBUTE))
+            if address and normalise_bdf(address) == wanted:
+                found.add(DeviceRef(driver, pool, str(device.get("name", ""))))
+    return sorted(found)
