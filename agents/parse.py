@@ -31,5 +31,12 @@ def register(xapp: XidflowApp) -> ParseStage:
         def __init__(self, **kwargs: object) -> None:
             super().__init__(stage, **kwargs)
 
+        async def on_start(self) -> None:
+            # Faust starts app services once the worker is ready, even when a stop signal came
+            # meanwhile; a stage started then would join its group after the app stopped it.
+            if xapp.app.should_stop:
+                return
+            await super().on_start()
+
     xapp.app.service(_HostedParse)
     return stage

@@ -14,24 +14,36 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
   the committed offset dropped right after a restart, the ones after it processed).
 - Once ``take_events`` ends (the agent stopping), the stream acknowledges what it still pulls
   without the agent seeing it, and the final commit passes those records.
+- A seek does not recall the records Faust already took from aiokafka: the rest of that batch is
+  still handed out after the seek. The first such record moves Faust's read offset ahead of the
+  seek target and is booked as a "gap" between them; the re-read records below it are then dropped
+  as already read, and Faust commits past them as if the gap were a hole in the log (seen after a
+  restart: the fetcher starts before recovery seeks to the committed offsets).
 
-``GuardedConsumer`` closes the first two at the source: after every (re)assignment a source
-partition without a committed offset is sought to its log start (what ``auto_offset_reset=earliest``
-means); an acknowledgement counts only for a record the agent reported finished (``finished``), any
-other is handed back (``unprocessed``) and fences its partition until re-read (``admit``); and an
-offset is committed only when every offset from the committed one (or that log start) up to it was
-acknowledged (or is a known hole in the log). The watchdog timer heals what
-is left: a partition whose fetch position stays ahead of delivery, or whose acknowledged offsets
-start above its committed one, across two checks, is re-read from its committed offset (or log
-start). Re-reading only ever repeats records: the aggregation makes a repeated record a no-op, or
-sends the same incident again (at-least-once), never loses one.
+``GuardedConsumer`` closes these at the source:
+
+- a record fetched before its partition's latest seek is turned away (``SeekFence``), and a seek
+  forgets the partition's gaps at or above its target;
+- after every (re)assignment a source partition without a committed offset is sought to its log
+  start (what ``auto_offset_reset=earliest`` means);
+- an acknowledgement counts only for a record the agent reported finished (``finished``); any
+  other is handed back (``unprocessed``) and fences its partition until re-read (``admit``);
+- an offset is committed only when every offset from the committed one (or that log start) up to
+  it was acknowledged (or is a known hole in the log).
+
+The watchdog timer heals what is left: a partition whose fetch position stays ahead of delivery,
+whose acknowledged offsets start above its committed one, or whose last delivered records are
+neither acknowledged nor being processed, across two checks, is re-read from its committed offset
+(or log start). Re-reading only ever repeats records: the aggregation makes a repeated record a
+no-op, or sends the same incident again (at-least-once), never loses one.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -70,23 +82,30 @@ class StallDetector:
         start: int,
         head_gap: bool = False,
         lowest_acked: int | None = None,
+        tail_unacked: bool = False,
     ) -> int | None:
         """One observation; returns the offset to re-read from when ``tp`` is stalled, else None.
 
         ``delivered`` is Faust's read offset (None: nothing yet); ``start`` is the first record not
         known to be processed: the committed offset, else the log start. ``head_gap`` says the
         acknowledged offsets (lowest ``lowest_acked``) start above ``start`` with a record between
-        that was never acknowledged. The answer is always ``start``: Faust's read offset is the last
+        that was never acknowledged. ``tail_unacked`` says the last delivered record (at or after
+        ``start``) is neither acknowledged nor being processed, as when the stream skipped it. The
+        answer is always ``start``: Faust's read offset is the last
         delivered record after a delivery but the next one to read after a seek, so anything after
         ``start`` could skip a record that was never delivered.
         """
         next_needed = delivered + 1 if delivered is not None else start
         fetched_ahead = position is not None and position > next_needed
-        if not fetched_ahead and not head_gap:
+        if not fetched_ahead and not head_gap and not tail_unacked:
             self._suspect.pop(tp, None)
             return None
-        # Still the same hole at the head, or still the same undelivered fetch: stuck, not in flight.
-        signature = ("head", lowest_acked, start) if head_gap else ("fetch", delivered, start)
+        # Still the same hole at the head, the same undelivered fetch or the same unacknowledged
+        # tail: stuck, not in flight.
+        if head_gap:
+            signature: tuple[Any, ...] = ("head", lowest_acked, start)
+        else:
+            signature = ("fetch" if fetched_ahead else "tail", delivered, start)
         seen, count = self._suspect.get(tp, (None, 0))
         count = count + 1 if seen == signature else 1
         self._suspect[tp] = (signature, count)
@@ -99,6 +118,60 @@ class StallDetector:
         for tp in list(self._suspect):
             if tp not in keep:
                 del self._suspect[tp]
+
+
+@dataclass
+class SeekFence:
+    """Pure part: which records Faust may hand out after their partition was sought.
+
+    After a seek to ``T`` a partition's records are turned away until the record at ``T`` comes,
+    unless they were fetched after the seek (aiokafka only returns records at its new position
+    then). A record turned away belongs to the position the seek left: the seek reads it again, in
+    order. "Fetched after" is judged conservatively (the seek is counted once it returned), so
+    fresh records fetched while it ran are let through by their offset.
+    """
+
+    _seeks: int = 0
+    _sought_at: dict[Any, int] = field(default_factory=dict)  # partition -> number of its latest seek
+    _fetched_at: int = 0  # number of seeks done when the records being handed out were fetched
+    _target: dict[Any, int] = field(default_factory=dict)  # partition -> offset sought, not yet read
+
+    def sought(self, targets: dict[Any, int]) -> None:
+        """``targets``' partitions were just sought to these offsets."""
+        self._seeks += 1
+        for tp, offset in targets.items():
+            self._sought_at[tp] = self._seeks
+            self._target[tp] = offset
+
+    def fetched(self) -> None:
+        """A new batch of records was just fetched."""
+        self._fetched_at = self._seeks
+
+    def admit(self, tp: Any, offset: int) -> bool:
+        """May the record at ``offset`` of ``tp``, from the batch being handed out, go to Faust?"""
+        target = self._target.get(tp)
+        if target is None:
+            return True
+        if offset == target or self._sought_at.get(tp, 0) <= self._fetched_at:
+            del self._target[tp]  # the partition reads at its new position
+            return True
+        return False
+
+    def last_delivered(self, tp: Any, read_offset: int | None) -> int | None:
+        """Faust's read offset as the last record delivered: None when nothing was since a seek.
+
+        Faust's read offset is the last delivered record, except right after a seek, where it is
+        the next one to read.
+        """
+        if read_offset is None or self._target.get(tp) == read_offset:
+            return None
+        return read_offset
+
+    def forget(self, keep: set[Any]) -> None:
+        for tp in set(self._sought_at) - keep:
+            del self._sought_at[tp]
+        for tp in set(self._target) - keep:
+            del self._target[tp]
 
 
 class GuardedConsumer(faust_aiokafka.Consumer):
@@ -116,6 +189,33 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
         self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
         self._finished: Counter[tuple[Any, int]] = Counter()  # (tp, offset) finished, until acknowledged
+        self.seek_fence = SeekFence()
+
+    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
+        records = await super()._getmany(active_partitions, timeout)
+        self.seek_fence.fetched()
+        return records
+
+    async def getmany(self, timeout: float) -> AsyncIterator[tuple[Any, Any]]:  # noqa: ASYNC109 - Faust's signature
+        # Faust iterates one fetched batch while the watchdog (or a rebalance) may seek: what is
+        # left of the batch for a sought partition must not reach Faust's read offset and gaps.
+        fence = self.seek_fence
+        async for tp, message in super().getmany(timeout):
+            if tp.topic in self.source_topics and not fence.admit(tp, message.offset):
+                continue
+            yield tp, message
+
+    async def seek(self, partition: Any, offset: int) -> None:
+        await super().seek(partition, offset)
+        self._sought({partition: offset})
+
+    def _sought(self, targets: dict[Any, int]) -> None:
+        targets = {tp: offset for tp, offset in targets.items() if tp.topic in self.source_topics}
+        self.seek_fence.sought(targets)
+        for tp, offset in targets.items():
+            gap = self._gap.get(tp)
+            if gap:
+                gap.chop(offset, sys.maxsize)  # what lies at or above the target is read again
 
     def finished(self, messages: Iterable[Any]) -> None:
         """An agent made these messages' effects durable: their acknowledgement may count."""
@@ -188,6 +288,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         await super().perform_seek()
         self.redone.clear()  # Faust just sought every partition back to its committed offset
         assigned = [tp for tp in self.assignment() if tp.topic in self.source_topics]
+        self._sought({tp: self._committed_offset.get(tp) or 0 for tp in assigned})
         self._log_start = dict(await self.earliest_offsets(*assigned)) if assigned else {}
         # Faust records a committed 0 as None; aiokafka seeks neither a missing nor a 0 commit, and
         # Faust's seek leaves a commit below the log start to the fetcher's reset.
@@ -233,6 +334,7 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
             return
         tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
         detector.forget(set(tps))
+        consumer.seek_fence.forget(set(tps))
         for tp in set(consumer.redo) - set(tps):
             del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
         for tp in set(consumer.redone) - set(consumer.redo):
@@ -257,7 +359,16 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
             holes = [(iv.begin, iv.end) for iv in gap] if gap else []
             head_gap = lowest is not None and unacked_below(start, lowest, holes)
             delivered = consumer._read_offset.get(tp)
-            target = detector.observe(tp, position, delivered, start, head_gap=head_gap, lowest_acked=lowest)
+            last = consumer.seek_fence.last_delivered(tp, delivered)
+            tail_unacked = (
+                last is not None
+                and last >= start
+                and (not acked or max(acked) < last)
+                and not any(m.tp == tp for m in consumer._unacked_messages)
+            )
+            target = detector.observe(
+                tp, position, delivered, start, head_gap=head_gap, lowest_acked=lowest, tail_unacked=tail_unacked
+            )
             if target is None:
                 continue
             await consumer.refresh_log_start(tp)

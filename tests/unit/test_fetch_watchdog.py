@@ -6,7 +6,7 @@ from collections import Counter
 from faust.types import TP
 
 from pipeline.app import create_app
-from pipeline.fetch_watchdog import GuardedConsumer, StallDetector, unacked_below
+from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, unacked_below
 
 
 def test_progressing_partition_is_never_reseeked() -> None:
@@ -47,6 +47,49 @@ def test_unacknowledged_head_is_re_read_even_when_delivery_moves_on() -> None:
     d = StallDetector()
     assert d.observe("p0", position=30, delivered=29, start=4, head_gap=True, lowest_acked=9) is None
     assert d.observe("p0", position=31, delivered=30, start=4, head_gap=True, lowest_acked=9) == 4
+
+
+def test_a_delivered_tail_nobody_acknowledges_is_re_read() -> None:
+    # The stream skipped the last records it was handed (flow suspended, stale generation): they
+    # count as read, are never acknowledged, and nothing later would reveal them.
+    d = StallDetector()
+    assert d.observe("p0", position=59, delivered=58, start=39, tail_unacked=True) is None
+    assert d.observe("p0", position=59, delivered=58, start=39, tail_unacked=True) == 39
+
+
+def test_a_tail_still_moving_is_not_stalled() -> None:
+    d = StallDetector()
+    assert d.observe("p0", position=59, delivered=50, start=39, tail_unacked=True) is None
+    assert d.observe("p0", position=59, delivered=58, start=39, tail_unacked=True) is None  # delivery moved
+    assert d.observe("p0", position=59, delivered=58, start=45, tail_unacked=True) is None  # commit moved
+
+
+def test_records_fetched_before_their_partitions_seek_are_turned_away_until_the_target() -> None:
+    fence = SeekFence()
+    fence.fetched()  # a batch with records of p0 (from 10 on) and p1 is being handed out ...
+    fence.sought({"p0": 5})  # ... when p0 is sought back to 5
+    assert not fence.admit("p0", 11) and not fence.admit("p0", 12)  # left from the old position
+    assert fence.admit("p1", 4)  # other partitions flow
+    fence.fetched()  # the next batch is read at the new position
+    assert fence.admit("p0", 5) and fence.admit("p0", 6)
+
+
+def test_the_record_at_the_target_opens_the_partition_even_in_a_batch_counted_as_older() -> None:
+    # The seek counts once it returned; records fetched while it ran start at its target.
+    fence = SeekFence()
+    fence.fetched()
+    fence.sought({"p0": 5})
+    assert fence.admit("p0", 5) and fence.admit("p0", 6) and fence.admit("p0", 7)
+
+
+def test_right_after_a_seek_faust_s_read_offset_is_not_a_delivered_record() -> None:
+    fence = SeekFence()
+    fence.sought({"p0": 5})
+    assert fence.last_delivered("p0", 5) is None  # Faust's read offset says "next to read" here
+    fence.fetched()
+    assert fence.admit("p0", 5)
+    assert fence.last_delivered("p0", 5) == 5  # record 5 was handed out: now it is the last one read
+    assert fence.last_delivered("p1", None) is None
 
 
 def test_forget_drops_partitions_no_longer_assigned() -> None:
@@ -114,3 +157,40 @@ def test_an_acknowledgement_counts_only_for_records_the_agent_finished() -> None
     stray = _Msg(p0, 7)
     assert consumer.ack(stray) is False  # acknowledged by Faust without the agent finishing it
     assert stray.acked and consumer.redo == {p0: 7}
+
+
+async def test_a_seek_mid_batch_drops_the_rest_of_the_batch_for_that_partition(monkeypatch) -> None:
+    # Faust hands out a fetched batch record by record; the watchdog seeks p0 back to 5 half-way.
+    # The rest of p0's batch must not reach Faust (it would move the read offset past the re-read
+    # and book the skipped offsets as a hole); p1 and the next fetch flow as usual.
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+
+    p0, p1 = TP("fault", 0), TP("fault", 1)
+    batches = [[(p0, _Msg(p0, 10)), (p1, _Msg(p1, 3)), (p0, _Msg(p0, 11)), (p1, _Msg(p1, 4))],
+               [(p0, _Msg(p0, 5))]]
+
+    async def fake_getmany(self, timeout):  # noqa: ASYNC109 - Faust's signature; fetch once, hand the batch out
+        await self._getmany(None, timeout)
+        for item in batches.pop(0):
+            yield item
+
+    async def fake_fetch(self, active_partitions, timeout):  # noqa: ASYNC109 - Faust's signature
+        return {}
+
+    async def fake_seek(self, partition, offset):
+        pass
+
+    monkeypatch.setattr(faust_aiokafka.Consumer, "getmany", fake_getmany)
+    monkeypatch.setattr(faust_aiokafka.ThreadDelegateConsumer, "_getmany", fake_fetch)
+    monkeypatch.setattr(faust_aiokafka.ThreadDelegateConsumer, "_seek", fake_seek)
+    consumer = _guarded()
+    consumer.seek_fence, consumer._read_offset, consumer._gap = SeekFence(), {p0: 12}, {}
+    consumer.log = type("Log", (), {"dev": lambda *a, **k: None})()
+    handed_out = []
+    async for tp, message in consumer.getmany(1.0):
+        handed_out.append((tp.partition, message.offset))
+        if message.offset == 10:
+            await consumer.seek(p0, 5)
+    assert handed_out == [(0, 10), (1, 3), (1, 4)]
+    assert consumer._read_offset[p0] == 5
+    assert [(tp.partition, m.offset) async for tp, m in consumer.getmany(1.0)] == [(0, 5)]
