@@ -28,9 +28,15 @@ def policy(actions: str, code: int = 79) -> Any:
 
 
 async def make_pods(
-    kube: Kube, namespace: str, node: str, names: list[str], labels: dict[str, str], **meta: Any
+    kube: Kube, namespace: str, node: str, names: list[str], labels: dict[str, str], gpus: int = 0, **meta: Any
 ) -> None:
-    """Pods bound to the node, Running and Ready (set through the status subresource: no kubelet here)."""
+    """Pods bound to the node, Running and Ready (set through the status subresource: no kubelet here).
+
+    ``gpus``: each pod's ``nvidia.com/gpu`` limit (a pod using a GPU is one a GPU fault affects).
+    """
+    container: dict[str, Any] = {"name": "c", "image": "busybox"}
+    if gpus:
+        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     for name in names:
         body = {
             "apiVersion": "v1",
@@ -39,7 +45,7 @@ async def make_pods(
             "spec": {
                 "nodeName": node,
                 "terminationGracePeriodSeconds": 30,
-                "containers": [{"name": "c", "image": "busybox"}],
+                "containers": [container],
             },
         }
         await kube._call(kube.core.create_namespaced_pod, namespace, body)

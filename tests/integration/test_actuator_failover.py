@@ -84,7 +84,7 @@ class Replicas:
             log_dir = Path(keep) / self.group
             log_dir.mkdir(parents=True, exist_ok=True)
         self.logs[worker] = log_dir / f"{worker}.log"
-        out = self.logs[worker].open("wb")
+        out = self.logs[worker].open("ab")  # a restarted replica's log follows its first life
         self.procs[worker] = subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", "actuator", "--no-api", "--log-level", "INFO"],
             env={**self.base, "XIDFLOW_ACTUATOR_WORKER_ID": worker},
