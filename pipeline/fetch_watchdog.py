@@ -22,17 +22,19 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
 
 ``GuardedConsumer`` closes these at the source:
 
-- a record fetched before its partition's latest seek is turned away (``SeekFence``), and a seek
-  forgets the partition's gaps at or above its target;
+- a record fetched before its partition's latest seek is turned away (``SeekFence``);
+- Faust's "gaps" are not booked for the source topics: they are plain logs (delete policy, no
+  transactional producer) with a record at every offset, so a jump in delivery means records that
+  were fetched and dropped, never a hole to commit past;
 - after every (re)assignment a source partition without a committed offset is sought to its log
   start (what ``auto_offset_reset=earliest`` means);
 - an acknowledgement counts only for a record the agent reported finished (``finished``); any
   other is handed back (``unprocessed``) and fences its partition until re-read (``admit``);
 - an offset is committed only when every offset from the committed one (or that log start) up to
-  it was acknowledged (or is a known hole in the log).
+  it was acknowledged.
 
 The watchdog timer heals what is left: a partition whose fetch position stays ahead of delivery,
-whose acknowledged offsets start above its committed one, or whose last delivered records are
+with an offset never acknowledged below acknowledged ones, or whose last delivered records are
 neither acknowledged nor being processed, across two checks, is re-read from its committed offset
 (or log start). Re-reading only ever repeats records: the aggregation makes a repeated record a
 no-op, or sends the same incident again (at-least-once), never loses one.
@@ -41,7 +43,6 @@ no-op, or sends the same incident again (at-least-once), never loses one.
 from __future__ import annotations
 
 import logging
-import sys
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
@@ -52,19 +53,19 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 log = logging.getLogger("xidflow.fetch_watchdog")
 
 
-def unacked_below(resume: int, lowest_acked: int, holes: Iterable[tuple[int, int]] = ()) -> bool:
-    """True when some offset in ``[resume, lowest_acked)`` is neither acknowledged nor a known hole.
+def first_unacked(start: int, acked: Iterable[int]) -> int | None:
+    """The lowest offset from ``start`` on that is not acknowledged while a later one is, else None.
 
-    ``holes`` are ``[begin, end)`` offset ranges the log does not hold (compaction, markers).
+    Such an offset holds a record the agent never finished: the source topics are plain logs
+    (delete policy, no transactional producer), so every offset holds a record.
     """
-    nxt = resume
-    for begin, end in sorted(holes):
-        if nxt >= lowest_acked:
-            break
-        if begin > nxt:
-            return True
-        nxt = max(nxt, end)
-    return nxt < lowest_acked
+    done = {offset for offset in acked if offset >= start}
+    if not done:
+        return None
+    nxt = start
+    while nxt in done:
+        nxt += 1
+    return nxt if nxt < max(done) else None
 
 
 @dataclass
@@ -81,15 +82,15 @@ class StallDetector:
         delivered: int | None,
         start: int,
         head_gap: bool = False,
-        lowest_acked: int | None = None,
+        first_missing: int | None = None,
         tail_unacked: bool = False,
     ) -> int | None:
         """One observation; returns the offset to re-read from when ``tp`` is stalled, else None.
 
         ``delivered`` is Faust's read offset (None: nothing yet); ``start`` is the first record not
-        known to be processed: the committed offset, else the log start. ``head_gap`` says the
-        acknowledged offsets (lowest ``lowest_acked``) start above ``start`` with a record between
-        that was never acknowledged. ``tail_unacked`` says the last delivered record (at or after
+        known to be processed: the committed offset, else the log start. ``head_gap`` says a record
+        at or after ``start`` (the first, ``first_missing``) was never acknowledged while later ones
+        were. ``tail_unacked`` says the last delivered record (at or after
         ``start``) is neither acknowledged nor being processed, as when the stream skipped it. The
         answer is always ``start``: Faust's read offset is the last
         delivered record after a delivery but the next one to read after a seek, so anything after
@@ -103,7 +104,7 @@ class StallDetector:
         # Still the same hole at the head, the same undelivered fetch or the same unacknowledged
         # tail: stuck, not in flight.
         if head_gap:
-            signature: tuple[Any, ...] = ("head", lowest_acked, start)
+            signature: tuple[Any, ...] = ("head", first_missing, start)
         else:
             signature = ("fetch" if fetched_ahead else "tail", delivered, start)
         seen, count = self._suspect.get(tp, (None, 0))
@@ -212,10 +213,12 @@ class GuardedConsumer(faust_aiokafka.Consumer):
     def _sought(self, targets: dict[Any, int]) -> None:
         targets = {tp: offset for tp, offset in targets.items() if tp.topic in self.source_topics}
         self.seek_fence.sought(targets)
-        for tp, offset in targets.items():
-            gap = self._gap.get(tp)
-            if gap:
-                gap.chop(offset, sys.maxsize)  # what lies at or above the target is read again
+
+    async def _add_gap(self, tp: Any, offset_from: int, offset_to: int) -> None:
+        # A jump in delivery on a source topic is records fetched and dropped (see the module
+        # docstring), not a hole in the log: booked as a gap, Faust would commit past them.
+        if tp.topic not in self.source_topics:
+            await super()._add_gap(tp, offset_from, offset_to)
 
     def finished(self, messages: Iterable[Any]) -> None:
         """An agent made these messages' effects durable: their acknowledgement may count."""
@@ -304,10 +307,10 @@ class GuardedConsumer(faust_aiokafka.Consumer):
                 resume = self.resume_offset(tp)
                 if resume is None:
                     return None  # not positioned by us yet: commit nothing rather than guess
-                gap = self._gap.get(tp)
-                holes = [(iv.begin, iv.end) for iv in gap] if gap else []
-                if unacked_below(resume, min(acked), holes):
+                if resume < min(acked):
                     return None  # a record below the acknowledged ones was never acknowledged
+                # Faust commits the first run of consecutive acknowledged offsets: it stops at the
+                # first record not acknowledged.
         return super()._new_offset(tp)
 
 
@@ -354,10 +357,8 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
                 await _reread_fenced(consumer, tp, fence, start)
                 continue
             acked = consumer._acked.get(tp)
-            lowest = min(acked) if acked else None
-            gap = consumer._gap.get(tp)
-            holes = [(iv.begin, iv.end) for iv in gap] if gap else []
-            head_gap = lowest is not None and unacked_below(start, lowest, holes)
+            missing = first_unacked(start, acked) if acked else None
+            head_gap = missing is not None
             delivered = consumer._read_offset.get(tp)
             last = consumer.seek_fence.last_delivered(tp, delivered)
             tail_unacked = (
@@ -367,15 +368,15 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
                 and not any(m.tp == tp for m in consumer._unacked_messages)
             )
             target = detector.observe(
-                tp, position, delivered, start, head_gap=head_gap, lowest_acked=lowest, tail_unacked=tail_unacked
+                tp, position, delivered, start, head_gap=head_gap, first_missing=missing, tail_unacked=tail_unacked
             )
             if target is None:
                 continue
             await consumer.refresh_log_start(tp)
             target = consumer.resume_offset(tp) or target
             log.warning(
-                "%s[%d]: fetched up to %s, read offset %s, lowest acknowledged %s: re-reading from %d",
-                tp.topic, tp.partition, position, delivered, lowest, target,
+                "%s[%d]: fetched up to %s, read offset %s, first unacknowledged %s: re-reading from %d",
+                tp.topic, tp.partition, position, delivered, missing, target,
             )
             await consumer.seek(tp, target)
 

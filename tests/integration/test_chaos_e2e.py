@@ -22,6 +22,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Callable
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ from pipeline.actuator.ownership import Ledger
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
-from schemas.records import Outcome
+from schemas.records import LogRecord, Outcome, Source
 from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
@@ -92,6 +93,9 @@ SHAPES: dict[str, tuple[str, Callable[[str, str, float], bytes], bool]] = {
     "rfc5424": ("logs_kernel", lambda n, line, at: (
         f"<3>1 {_iso(at)} {n} kernel - - - {line}").encode(), False),
     "plain-text": ("logs_kernel", lambda n, line, at: line.encode(), True),
+    "logrecord-wire": ("logs_kernel", lambda n, line, at: LogRecord(  # any producer, in our own format
+        node=n, source=Source.KERNEL, ts=datetime.fromtimestamp(at, UTC), line=line.replace(r"\x0a", "\n"),
+        shipper="custom").to_bytes(), True),
 }
 
 

@@ -6,7 +6,7 @@ from collections import Counter
 from faust.types import TP
 
 from pipeline.app import create_app
-from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, unacked_below
+from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
 
 
 def test_progressing_partition_is_never_reseeked() -> None:
@@ -45,8 +45,8 @@ def test_delivery_between_checks_clears_the_suspicion() -> None:
 
 def test_unacknowledged_head_is_re_read_even_when_delivery_moves_on() -> None:
     d = StallDetector()
-    assert d.observe("p0", position=30, delivered=29, start=4, head_gap=True, lowest_acked=9) is None
-    assert d.observe("p0", position=31, delivered=30, start=4, head_gap=True, lowest_acked=9) == 4
+    assert d.observe("p0", position=30, delivered=29, start=4, head_gap=True, first_missing=9) is None
+    assert d.observe("p0", position=31, delivered=30, start=4, head_gap=True, first_missing=9) == 4
 
 
 def test_a_delivered_tail_nobody_acknowledges_is_re_read() -> None:
@@ -99,15 +99,22 @@ def test_forget_drops_partitions_no_longer_assigned() -> None:
     assert d.observe("p0", position=30, delivered=10, start=0) is None
 
 
-def test_unacked_below() -> None:
-    assert not unacked_below(5, 5)
-    assert unacked_below(5, 6)  # Faust's own check lets exactly this one pass (min(acked) - committed > 1)
-    assert unacked_below(0, 3)  # no commit yet: Faust checks nothing
-    assert not unacked_below(5, 9, [(5, 9)])  # a hole in the log is not a missing record
-    assert not unacked_below(5, 9, [(5, 7), (7, 9)])
-    assert unacked_below(5, 9, [(6, 9)])
-    assert unacked_below(5, 9, [(5, 7), (8, 9)])
-    assert not unacked_below(5, 9, [(1, 3), (4, 12)])
+def test_first_unacked() -> None:
+    assert first_unacked(5, [5, 6, 7]) is None  # a run from the start: nothing missing
+    assert first_unacked(5, [4, 5, 6]) is None  # Faust keeps the last committed offset (4) in the list
+    assert first_unacked(5, [6, 7]) == 5  # the record at the committed offset was never acknowledged
+    assert first_unacked(0, [0, 1, 2, 3, 14, 15]) == 4  # records dropped in the middle, later ones done
+    assert first_unacked(5, [4]) is None
+    assert first_unacked(5, [5, 6, 9]) == 7
+
+
+async def test_a_jump_in_delivery_is_not_booked_as_a_hole_on_a_source_topic() -> None:
+    # Faust books the offsets between two delivered records as a gap and commits past it; on the
+    # source topics (plain logs, a record at every offset) that gap is records fetched and dropped.
+    consumer = _guarded()
+    consumer._gap = {}
+    await consumer._add_gap(TP("fault", 0), 4, 13)
+    assert consumer._gap == {}
 
 
 def test_worker_app_uses_the_guarded_consumer() -> None:
