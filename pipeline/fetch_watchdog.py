@@ -81,29 +81,28 @@ class StallDetector:
         position: int | None,
         delivered: int | None,
         start: int,
-        head_gap: bool = False,
         first_missing: int | None = None,
         tail_unacked: bool = False,
     ) -> int | None:
         """One observation; returns the offset to re-read from when ``tp`` is stalled, else None.
 
         ``delivered`` is Faust's read offset (None: nothing yet); ``start`` is the first record not
-        known to be processed: the committed offset, else the log start. ``head_gap`` says a record
-        at or after ``start`` (the first, ``first_missing``) was never acknowledged while later ones
-        were. ``tail_unacked`` says the last delivered record (at or after
-        ``start``) is neither acknowledged nor being processed, as when the stream skipped it. The
-        answer is always ``start``: Faust's read offset is the last
-        delivered record after a delivery but the next one to read after a seek, so anything after
-        ``start`` could skip a record that was never delivered.
+        known to be processed: the committed offset, else the log start. ``first_missing`` is a
+        record at or after ``start`` never acknowledged while later ones were (``first_unacked``).
+        ``tail_unacked`` says the last delivered record (at or after ``start``) is neither
+        acknowledged nor being processed, as when the stream skipped it. The answer is always
+        ``start``: Faust's read offset is the last delivered record after a delivery but the next
+        one to read after a seek, so anything after ``start`` could skip a record that was never
+        delivered.
         """
         next_needed = delivered + 1 if delivered is not None else start
         fetched_ahead = position is not None and position > next_needed
-        if not fetched_ahead and not head_gap and not tail_unacked:
+        if not fetched_ahead and first_missing is None and not tail_unacked:
             self._suspect.pop(tp, None)
             return None
-        # Still the same hole at the head, the same undelivered fetch or the same unacknowledged
-        # tail: stuck, not in flight.
-        if head_gap:
+        # Still the same hole, the same undelivered fetch or the same unacknowledged tail: stuck,
+        # not in flight.
+        if first_missing is not None:
             signature: tuple[Any, ...] = ("head", first_missing, start)
         else:
             signature = ("fetch" if fetched_ahead else "tail", delivered, start)
@@ -342,6 +341,7 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
             del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
         for tp in set(consumer.redone) - set(consumer.redo):
             del consumer.redone[tp]
+        in_flight = {m.tp for m in consumer._unacked_messages}  # delivered, being processed
         for tp in tps:
             if tp in paused or tp in consumer._paused_partitions:
                 continue
@@ -358,17 +358,16 @@ def install(app: Any, source_topics: set[str], interval_s: float = 1.5) -> Stall
                 continue
             acked = consumer._acked.get(tp)
             missing = first_unacked(start, acked) if acked else None
-            head_gap = missing is not None
             delivered = consumer._read_offset.get(tp)
             last = consumer.seek_fence.last_delivered(tp, delivered)
             tail_unacked = (
                 last is not None
                 and last >= start
                 and (not acked or max(acked) < last)
-                and not any(m.tp == tp for m in consumer._unacked_messages)
+                and tp not in in_flight
             )
             target = detector.observe(
-                tp, position, delivered, start, head_gap=head_gap, first_missing=missing, tail_unacked=tail_unacked
+                tp, position, delivered, start, first_missing=missing, tail_unacked=tail_unacked
             )
             if target is None:
                 continue

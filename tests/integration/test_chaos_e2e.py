@@ -29,7 +29,6 @@ from typing import Any
 import orjson
 import pytest
 
-from pipeline.actuator.ownership import Ledger
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
@@ -99,10 +98,6 @@ SHAPES: dict[str, tuple[str, Callable[[str, str, float], bytes], bool]] = {
 }
 
 
-async def flows(env: Env, node: str) -> dict[str, Any]:
-    return Ledger.from_annotations((await env.node(node))["metadata"].get("annotations")).flows
-
-
 async def taints(env: Env, node: str) -> list[dict[str, Any]]:
     return [t for t in (await env.node(node))["spec"].get("taints") or [] if t["key"] == TAINT_KEY]
 
@@ -126,7 +121,11 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
     policy = write_policy(tmp_path / "policy.yaml", actions)
     reps = Replicas(env, kubeconfig, policy)
     worker_env = {"XIDFLOW_GROUP_INSTANCE_ID": f"worker-{uuid.uuid4().hex[:6]}"}
-    worker = Worker(kafka_bootstrap, app_id, env.topics.prefix, tmp_path, extra_env=worker_env).start()
+
+    def start_worker() -> Worker:  # the same static member each time, as a restarted pod
+        return Worker(kafka_bootstrap, app_id, env.topics.prefix, tmp_path, extra_env=worker_env).start()
+
+    worker = start_worker()
     try:
         for name in ("act-a", "act-b", "act-c"):
             reps.start(name, tmp_path)
@@ -150,7 +149,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
             # The worker dies half a second into the burst and comes back as the same static member.
             await asyncio.sleep(0.5)
             worker.kill()
-            worker = Worker(kafka_bootstrap, app_id, env.topics.prefix, tmp_path, extra_env=worker_env).start()
+            worker = start_worker()
 
             async def tainted(count: int) -> bool:
                 reps.alive()
@@ -164,12 +163,12 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
             worker.kill()
             await asyncio.sleep(1)
             reps.start("act-a", tmp_path)
-            worker = Worker(kafka_bootstrap, app_id, env.topics.prefix, tmp_path, extra_env=worker_env).start()
+            worker = start_worker()
 
             async def draining() -> bool:
                 reps.alive()
                 for n in nodes:
-                    for flow in (await flows(env, n)).values():
+                    for flow in (await env.ledger(n)).flows.values():
                         if "drain" in (flow.get("claims") or {}):
                             return True
                 return False
@@ -184,7 +183,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
                 reps.alive()
                 assert worker.alive(), worker.log_tail()
                 for n in nodes:
-                    node_flows = await flows(env, n)
+                    node_flows = (await env.ledger(n)).flows
                     if not node_flows or not all("fin" in f for f in node_flows.values()):
                         return False
                 return True
@@ -209,7 +208,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
                 problems.append(f"{label}: node Events {events}")
             if await pods_on(env.kube, node):
                 problems.append(f"{label}: pods left {await pods_on(env.kube, node)}")
-            node_flows = await flows(env, node)
+            node_flows = (await env.ledger(node)).flows
             if [f.get("status") for f in node_flows.values()] != ["done"]:
                 problems.append(f"{label}: flows {node_flows}")
             evicted = Counter(p for r in audit if r.node == node and r.action == "drain"

@@ -45,8 +45,8 @@ def test_delivery_between_checks_clears_the_suspicion() -> None:
 
 def test_unacknowledged_head_is_re_read_even_when_delivery_moves_on() -> None:
     d = StallDetector()
-    assert d.observe("p0", position=30, delivered=29, start=4, head_gap=True, first_missing=9) is None
-    assert d.observe("p0", position=31, delivered=30, start=4, head_gap=True, first_missing=9) == 4
+    assert d.observe("p0", position=30, delivered=29, start=4, first_missing=9) is None
+    assert d.observe("p0", position=31, delivered=30, start=4, first_missing=9) == 4
 
 
 def test_a_delivered_tail_nobody_acknowledges_is_re_read() -> None:
