@@ -48,7 +48,9 @@ def local() -> None:
               help="Also build Loki (several minutes on a cold cache, then cached).")
 @click.option("--rsyslog/--no-rsyslog", default=False, show_default=True,
               help="Also install Debian's rsyslog with omkafka when missing (apt-get; root), for its tests.")
-def install(loki: bool, rsyslog: bool) -> None:
+@click.option("--fluent-bit/--no-fluent-bit", default=False, show_default=True,
+              help="Also build Fluent Bit from the vendored source (or check $FLUENT_BIT_BIN), cached by version.")
+def install(loki: bool, rsyslog: bool, fluent_bit: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         steps = install_steps()
@@ -56,6 +58,10 @@ def install(loki: bool, rsyslog: bool) -> None:
             steps.append(InstallStep("Loki (Go build)", ensure_loki))
         if rsyslog:
             steps.append(InstallStep("rsyslog with omkafka (apt-get, when missing)", _ensure_rsyslog))
+        if fluent_bit:
+            from pipeline.localinfra.fluentbit import VERSION, ensure_fluent_bit
+
+            steps.append(InstallStep(f"Fluent Bit {VERSION} (CMake build of the vendored source)", ensure_fluent_bit))
         _log(f"installed in {run_steps(steps, err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")

@@ -1,0 +1,207 @@
+"""The real Fluent Bit, for the shipper tests and the demo: built once from vendored source, cached by version.
+
+No package registry this project reaches serves Fluent Bit, so its release source is vendored beside the
+checkout (``../shared/vendor/fluent-bit-<version>.tar.xz``, with ``SHA256SUMS``); ``XIDFLOW_VENDOR_DIR``
+names another folder. ``ensure_fluent_bit`` returns, in order of preference:
+
+1. ``FLUENT_BIT_BIN`` when set (a user's own build or package): it must run ``--version``;
+2. the cached build ``<cache>/fluent-bit/<version>-<options hash>/fluent-bit``;
+3. a fresh build: the tarball checked against ``SHA256SUMS``, unpacked, configured with CMake with only the
+   plugins the project's configuration uses (tail, kmsg, systemd, grep/lua/kubernetes/record_modifier/
+   modify filters, Kafka and stdout outputs) and built with ``make fluent-bit-bin``. Build tools and
+   libraries missing on a Debian-like machine where we are root are installed with apt-get (as rsyslog
+   is); elsewhere the error names them. A cold build takes minutes on 2 cores; its progress (CMake's
+   percentage) is logged every few seconds.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tarfile
+import tempfile
+import time
+from pathlib import Path
+
+from pipeline.localinfra.install import InstallError, Log, _need, cache_root
+
+VERSION = "5.1.1"
+
+# Options that build 5.1.1 with GCC 12 here (simdutf's AVX2 code does not; the vendored tree has no
+# sqlite3.c, so the system SQLite is used; SQLDB=Off does not compile in 5.1.1).
+CMAKE_OPTIONS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DFLB_ALL=Off", "-DFLB_MINIMAL=On", "-DFLB_USE_SIMDUTF=No", "-DFLB_UNICODE_ENCODER=Off",
+    "-DFLB_SQLDB=On", "-DFLB_PREFER_SYSTEM_LIB_SQLITE=On",
+    "-DFLB_WASM=Off", "-DFLB_TESTS_RUNTIME=Off", "-DFLB_TESTS_INTERNAL=Off", "-DFLB_EXAMPLES=Off",
+    "-DFLB_IN_TAIL=On", "-DFLB_IN_KMSG=On", "-DFLB_IN_SYSTEMD=On", "-DFLB_IN_DUMMY=On",
+    "-DFLB_OUT_KAFKA=On", "-DFLB_OUT_STDOUT=On",
+    "-DFLB_FILTER_GREP=On", "-DFLB_FILTER_RECORD_MODIFIER=On", "-DFLB_FILTER_MODIFY=On",
+    "-DFLB_FILTER_LUA=On", "-DFLB_LUAJIT=On", "-DFLB_FILTER_KUBERNETES=On", "-DFLB_PARSER=On",
+)
+
+# What the build needs, as (command or pkg-config module, Debian package).
+BUILD_TOOLS = (("cmake", "cmake"), ("make", "make"), ("cc", "build-essential"), ("c++", "build-essential"),
+               ("flex", "flex"), ("bison", "bison"), ("pkg-config", "pkg-config"))
+BUILD_LIBS = (("yaml-0.1", "libyaml-dev"), ("openssl", "libssl-dev"), ("libsystemd", "libsystemd-dev"),
+              ("sqlite3", "libsqlite3-dev"))
+
+PROGRESS_EVERY_S = 10.0
+
+
+def vendor_dir() -> Path:
+    """Where the vendored source lives: ``$XIDFLOW_VENDOR_DIR``, else ``shared/vendor`` beside the checkout."""
+    explicit = os.environ.get("XIDFLOW_VENDOR_DIR")
+    if explicit:
+        return Path(explicit)
+    return Path(__file__).resolve().parents[3] / "shared" / "vendor"
+
+
+def source_tarball() -> Path:
+    return vendor_dir() / f"fluent-bit-{VERSION}.tar.xz"
+
+
+def fluent_bit_target() -> Path:
+    """Where the cached binary of this version and these options lives (built or not)."""
+    digest = hashlib.sha256("\n".join(CMAKE_OPTIONS).encode()).hexdigest()[:12]
+    return cache_root() / "fluent-bit" / f"{VERSION}-{digest}" / "fluent-bit"
+
+
+def fluent_bit_installed() -> bool:
+    binary = fluent_bit_target()
+    return binary.exists() and (binary.parent / ".complete").exists()
+
+
+def ensure_fluent_bit(log: Log = print) -> Path:
+    """The Fluent Bit binary to run: ``$FLUENT_BIT_BIN``, the cached build, or a new build (see module doc)."""
+    explicit = os.environ.get("FLUENT_BIT_BIN")
+    if explicit:
+        return _checked_user_binary(Path(explicit))
+    binary = fluent_bit_target()
+    if fluent_bit_installed():
+        return binary
+    tarball = source_tarball()
+    if not tarball.exists():
+        raise InstallError(
+            f"the Fluent Bit {VERSION} source is not at {tarball}; put the vendored tarball there, point "
+            "XIDFLOW_VENDOR_DIR at its folder, or set FLUENT_BIT_BIN to a fluent-bit binary")
+    binary.parent.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a second caller (another test session, the demo) waits for the first.
+    with open(binary.parent.parent / f".{binary.parent.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if fluent_bit_installed():
+            return binary
+        _verify_checksum(tarball)
+        _ensure_build_prerequisites(log)
+        return _build(tarball, binary, log)
+
+
+def _checked_user_binary(path: Path) -> Path:
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise InstallError(f"FLUENT_BIT_BIN={path} is not an executable file")
+    proc = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30)
+    if proc.returncode != 0 or "Fluent Bit" not in proc.stdout:
+        raise InstallError(f"FLUENT_BIT_BIN={path} does not answer `--version` as Fluent Bit does: "
+                           f"{(proc.stdout + proc.stderr).strip()[:300]}")
+    return path
+
+
+def _verify_checksum(tarball: Path) -> None:
+    sums = tarball.parent / "SHA256SUMS"
+    if not sums.exists():
+        raise InstallError(f"{sums} is missing: the vendored Fluent Bit source cannot be checked")
+    expected = next((line.split()[0] for line in sums.read_text().splitlines()
+                     if line.strip().endswith(tarball.name)), None)
+    if not expected:
+        raise InstallError(f"{sums} has no line for {tarball.name}")
+    actual = hashlib.sha256(tarball.read_bytes()).hexdigest()
+    if actual != expected:
+        raise InstallError(f"{tarball} has sha256 {actual}, {sums.name} says {expected}: the source was changed")
+
+
+def missing_build_prerequisites() -> list[str]:
+    """The Debian packages whose tool or library the build needs and this machine lacks."""
+    missing = [pkg for tool, pkg in BUILD_TOOLS if not shutil.which(tool)]
+    pkg_config = shutil.which("pkg-config")
+    for module, pkg in BUILD_LIBS:
+        if not pkg_config or subprocess.run([pkg_config, "--exists", module]).returncode != 0:
+            missing.append(pkg)
+    return sorted(set(missing))
+
+
+def _ensure_build_prerequisites(log: Log) -> None:
+    missing = missing_build_prerequisites()
+    if not missing:
+        return
+    apt = shutil.which("apt-get")
+    if not apt or os.geteuid() != 0:
+        raise InstallError(f"building Fluent Bit {VERSION} needs {', '.join(missing)} "
+                           f"(Debian: apt-get install {' '.join(missing)}), or set FLUENT_BIT_BIN")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "--no-install-recommends", *missing]):
+        log(f"installing Fluent Bit's build prerequisites: {' '.join(cmd)}")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+    still = missing_build_prerequisites()
+    if still:
+        raise InstallError(f"apt-get ran but {', '.join(still)} still missing for the Fluent Bit build")
+
+
+def _build(tarball: Path, binary: Path, log: Log) -> Path:
+    target = binary.parent
+    tmp = Path(tempfile.mkdtemp(prefix="xidflow-fluentbit-"))
+    staging = target.with_name(target.name + f".partial-{os.getpid()}")
+    try:
+        log(f"unpacking {tarball.name}")
+        with tarfile.open(tarball) as tar:
+            tar.extractall(tmp, filter="tar")
+        source = next(p for p in tmp.iterdir() if p.is_dir())
+        build = source / "build"
+        build.mkdir(exist_ok=True)
+        cmake = _need("cmake", "install CMake (Debian: apt-get install cmake)")
+        _run_logged([cmake, *CMAKE_OPTIONS, ".."], build, f"configuring Fluent Bit {VERSION} (CMake)", log)
+        jobs = str(max(1, os.cpu_count() or 1))
+        _run_logged(["make", f"-j{jobs}", "fluent-bit-bin"], build,
+                    f"building Fluent Bit {VERSION} (make, minutes on a cold build)", log)
+        staging.mkdir(parents=True)
+        shutil.copy2(build / "bin" / "fluent-bit", staging / "fluent-bit")
+        (staging / ".complete").write_text(VERSION)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        log(f"Fluent Bit {VERSION} installed in {target}")
+        return binary
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+_PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
+
+
+def _run_logged(cmd: list[str], cwd: Path, what: str, log: Log) -> None:
+    """Run ``cmd``; every ``PROGRESS_EVERY_S`` log the elapsed time and CMake's last ``[ NN%]``; raise on failure."""
+    log(f"{what}: {' '.join(cmd[:2])} ... (in {cwd})")
+    t0 = last_report = time.monotonic()
+    percent: str | None = None
+    tail: list[bytes] = []
+    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            tail = (tail + [line])[-60:]
+            m = _PERCENT.match(line)
+            if m:
+                percent = m.group(1).decode()
+            now = time.monotonic()
+            if now - last_report >= PROGRESS_EVERY_S:
+                last_report = now
+                log(f"  ... {now - t0:.0f}s" + (f", {percent}% done" if percent else ""))
+        rc = proc.wait()
+    if rc != 0:
+        text = b"".join(tail).decode(errors="replace")[-3000:]
+        raise InstallError(f"{what} failed (exit {rc}):\n{text}")
+    log(f"  {what}: done in {time.monotonic() - t0:.0f}s")
