@@ -1,0 +1,49 @@
+"""The Fluent Bit configuration the tests and the demo run is the shipped one: only this machine's paths,
+ports, topic names, credentials and the documented file form of the kernel input differ."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from pipeline.localinfra.fluentbit_run import (
+    KERNEL_FILE_PARSERS,
+    Render,
+    load_shipped,
+    render_shipped_config,
+    shipped_config_drift,
+)
+
+
+@pytest.mark.parametrize("kernel_source", ["kmsg", "file-lines", "file-kmsg"])
+def test_rendering_changes_only_the_allowed_keys(tmp_path: Path, kernel_source: str) -> None:
+    render = Render(root=tmp_path, kernel_source=kernel_source, kernel_topic="t-gpu.logs.kernel",  # type: ignore[arg-type]
+                    pods_topic="t-gpu.logs.pods", http_port=2021,
+                    kube={"kube_url": "https://127.0.0.1:6443", "kube_ca_file": "/ca", "kube_token_file": "/tok"},
+                    rdkafka={"compression.codec": "zstd", "sasl.username": "xidflow-shipper"})
+    rendered = render_shipped_config(render)
+    assert shipped_config_drift(rendered) == []
+    assert str(tmp_path) in rendered["service"]["storage.path"]
+
+
+def test_a_changed_filter_or_output_is_drift(tmp_path: Path) -> None:
+    rendered = render_shipped_config(Render(root=tmp_path))
+    rendered["pipeline"]["filters"][0]["regex"] = "msg Xid"
+    rendered["pipeline"]["outputs"][0]["format"] = "msgpack"
+    rendered["pipeline"]["outputs"][0]["rdkafka.request.required.acks"] = 1  # a shipped property changed
+    drift = shipped_config_drift(rendered)
+    assert len(drift) == 3, drift
+    assert any("regex" in d for d in drift) and any("format" in d for d in drift)
+
+
+def test_the_kernel_file_parsers_are_shipped_and_yield_msg() -> None:
+    parsers = {p["name"]: p for p in load_shipped()["parsers"]}
+    for name in KERNEL_FILE_PARSERS.values():
+        assert "(?<msg>" in parsers[name]["regex"]
+    # The kmsg record parser yields what Fluent Bit's kmsg input does: sec/usec since boot and the sequence.
+    regex = parsers["xidflow-kmsg-record"]["regex"].replace("(?<", "(?P<")
+    m = re.match(regex, "4,1187,538441007373,-;NVRM: Xid (PCI:0000:4e:00): 79, GPU has fallen off the bus.")
+    assert m and m.group("sec") == "538441" and m.group("usec") == "007373" and m.group("sequence") == "1187"
+    assert m.group("msg").startswith("NVRM: Xid")
