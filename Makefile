@@ -16,10 +16,11 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Builds/downloads kube-apiserver, etcd, Loki and the Kafka jars once (cached under ~/.cache/xidflow),
+# Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source) and the Kafka jars once
+# (cached under ~/.cache/xidflow),
 # and installs Debian's rsyslog + omkafka when missing (for the rsyslog tests; needs root + apt-get).
 infra: setup
-	$(VENV)/bin/xidflow local install --loki --rsyslog
+	$(VENV)/bin/xidflow local install --loki --rsyslog --fluent-bit
 
 demo: infra
 	$(VENV)/bin/xidflow demo

@@ -146,7 +146,8 @@ def _ensure_build_prerequisites(log: Log) -> None:
         log(f"installing Fluent Bit's build prerequisites: {' '.join(cmd)}")
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
-            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{(proc.stdout + proc.stderr)[-2000:]}")
+            output = (proc.stdout + proc.stderr)[-2000:]
+            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{output}")
     still = missing_build_prerequisites()
     if still:
         raise InstallError(f"apt-get ran but {', '.join(still)} still missing for the Fluent Bit build")
