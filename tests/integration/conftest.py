@@ -1,13 +1,19 @@
-"""Fixtures shared by the actuator's integration tests (a module with its own ``env`` keeps its own)."""
+"""Fixtures shared by the integration tests: the actuator's world (a module with its own ``env`` keeps its own) and
+a worker for the shipper tests."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
+from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
 
 
 @pytest.fixture
@@ -17,3 +23,23 @@ async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str
     await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
     yield world
     await world.close()
+
+
+@pytest.fixture(scope="module")
+def worker_prefix(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real worker for one shipper test module, on its own topic prefix; yields the prefix."""
+    tag = uuid.uuid4().hex[:8]
+    prefix, app_id = f"t-ship-{tag}-", f"t-ship-{tag}"
+    asyncio.run(ensure_topics(kafka_bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), PARTITIONS))
+    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path_factory.mktemp("shipper-worker")).start()
+
+    async def ready() -> None:
+        async with Pipeline(kafka_bootstrap, prefix) as pipe:
+            await wait_ready(pipe, worker)
+
+    try:
+        asyncio.run(ready())
+        yield prefix
+        assert worker.alive(), f"the worker died:\n{worker.log_tail()}"
+    finally:
+        worker.stop()

@@ -8,20 +8,16 @@ them when missing (``pipeline.localinfra.rsyslog``, what ``make infra`` runs) an
 
 from __future__ import annotations
 
-import asyncio
 import subprocess
 import time
 import uuid
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
 from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
 from pipeline.settings import TopicNames
-from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+from tests.integration.test_pipeline import Pipeline
 
 pytestmark = pytest.mark.integration
 
@@ -96,25 +92,6 @@ ruleset(name="to_kafka") {{
             except subprocess.TimeoutExpired:
                 self.proc.kill()
                 self.proc.wait(10)
-
-
-@pytest.fixture(scope="module")
-def worker_prefix(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    tag = uuid.uuid4().hex[:8]
-    prefix, app_id = f"t-rsys-{tag}-", f"t-rsys-{tag}"
-    asyncio.run(ensure_topics(kafka_bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), PARTITIONS))
-    worker = Worker(kafka_bootstrap, app_id, prefix, tmp_path_factory.mktemp("rsys-worker")).start()
-
-    async def ready() -> None:
-        async with Pipeline(kafka_bootstrap, prefix) as pipe:
-            await wait_ready(pipe, worker)
-
-    try:
-        asyncio.run(ready())
-        yield prefix
-        assert worker.alive(), f"the worker died:\n{worker.log_tail()}"
-    finally:
-        worker.stop()
 
 
 async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node(
