@@ -6,7 +6,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test setup infra lint bench schemas clean
+.PHONY: demo test setup infra test-infra lint bench schemas clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -16,11 +16,15 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source) and the Kafka jars once
-# (cached under ~/.cache/xidflow),
-# and installs Debian's rsyslog + omkafka when missing (for the rsyslog tests; needs root + apt-get).
+# Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source) and the Kafka jars once, cached
+# under ~/.cache/xidflow: what the demo runs.
 infra: setup
-	$(VENV)/bin/xidflow local install --loki --rsyslog --fluent-bit
+	$(VENV)/bin/xidflow local install --loki --fluent-bit
+
+# What the tests need besides: Debian's rsyslog + omkafka (the rsyslog shipper tests) and promtool (package
+# prometheus; the alerting-rule tests), installed when missing (root + apt-get), else one sentence naming them.
+test-infra: infra
+	$(VENV)/bin/xidflow local install --no-loki --rsyslog --promtool
 
 demo: infra
 	$(VENV)/bin/xidflow demo
@@ -28,7 +32,7 @@ demo: infra
 lint: setup
 	$(VENV)/bin/ruff check .
 
-test: infra lint
+test: test-infra lint
 	@$(PY) -m pytest -ra --durations=15 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -10,7 +10,7 @@ import click
 from rich.console import Console
 from rich.table import Table
 
-from pipeline.localinfra.install import InstallError, InstallStep, Log, install_steps, run_steps
+from pipeline.localinfra.install import InstallError, InstallStep, Log, ensure_promtool, install_steps, run_steps
 from pipeline.localinfra.launcher import LocalInfra, default_state_dir
 from pipeline.localinfra.loki import ensure_loki
 from pipeline.localinfra.procs import StartError
@@ -50,7 +50,9 @@ def local() -> None:
               help="Also install Debian's rsyslog with omkafka when missing (apt-get; root), for its tests.")
 @click.option("--fluent-bit/--no-fluent-bit", default=False, show_default=True,
               help="Also build Fluent Bit from the vendored source (or check $FLUENT_BIT_BIN), cached by version.")
-def install(loki: bool, rsyslog: bool, fluent_bit: bool) -> None:
+@click.option("--promtool/--no-promtool", default=False, show_default=True,
+              help="Also install promtool (Debian's prometheus package, apt-get; root) for the alerting-rule tests.")
+def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         steps = install_steps()
@@ -58,6 +60,8 @@ def install(loki: bool, rsyslog: bool, fluent_bit: bool) -> None:
             steps.append(InstallStep("Loki (Go build)", ensure_loki))
         if rsyslog:
             steps.append(InstallStep("rsyslog with omkafka (apt-get, when missing)", _ensure_rsyslog))
+        if promtool:
+            steps.append(InstallStep("promtool (apt-get, when missing)", ensure_promtool))
         if fluent_bit:
             from pipeline.localinfra.fluentbit import VERSION, ensure_fluent_bit
 

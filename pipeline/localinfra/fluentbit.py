@@ -27,7 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from pipeline.localinfra.install import InstallError, Log, _need, cache_root
+from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root
 
 VERSION = "5.1.1"
 
@@ -39,6 +39,9 @@ CMAKE_OPTIONS = (
     "-DFLB_SQLDB=On", "-DFLB_PREFER_SYSTEM_LIB_SQLITE=On",
     "-DFLB_WASM=Off", "-DFLB_TESTS_RUNTIME=Off", "-DFLB_TESTS_INTERNAL=Off", "-DFLB_EXAMPLES=Off",
     "-DFLB_IN_TAIL=On", "-DFLB_IN_KMSG=On", "-DFLB_IN_SYSTEMD=On", "-DFLB_IN_DUMMY=On",
+    # FLB_MINIMAL turns off the internal inputs too: storage_backlog is what reads filesystem-buffered chunks
+    # back after a restart ("cannot init storage backlog input plugin" without it), emitter serves multiline.
+    "-DFLB_IN_STORAGE_BACKLOG=On", "-DFLB_IN_EMITTER=On",
     "-DFLB_OUT_KAFKA=On", "-DFLB_OUT_STDOUT=On",
     "-DFLB_FILTER_GREP=On", "-DFLB_FILTER_RECORD_MODIFIER=On", "-DFLB_FILTER_MODIFY=On",
     "-DFLB_FILTER_LUA=On", "-DFLB_LUAJIT=On", "-DFLB_FILTER_KUBERNETES=On", "-DFLB_PARSER=On",
@@ -137,17 +140,7 @@ def _ensure_build_prerequisites(log: Log) -> None:
     missing = missing_build_prerequisites()
     if not missing:
         return
-    apt = shutil.which("apt-get")
-    if not apt or os.geteuid() != 0:
-        raise InstallError(f"building Fluent Bit {VERSION} needs {', '.join(missing)} "
-                           f"(Debian: apt-get install {' '.join(missing)}), or set FLUENT_BIT_BIN")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "--no-install-recommends", *missing]):
-        log(f"installing Fluent Bit's build prerequisites: {' '.join(cmd)}")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            output = (proc.stdout + proc.stderr)[-2000:]
-            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{output}")
+    apt_install(missing, f"building Fluent Bit {VERSION} (or set FLUENT_BIT_BIN)", log)
     still = missing_build_prerequisites()
     if still:
         raise InstallError(f"apt-get ran but {', '.join(still)} still missing for the Fluent Bit build")

@@ -203,3 +203,32 @@ def run_steps(steps: Sequence[InstallStep], console: Any = None) -> float:
             step.run(lambda msg: progress.console.print(f"  [dim]{msg}[/]", highlight=False))
             progress.update(task, completed=1)
     return time.monotonic() - start
+
+
+# -- Debian packages the project installs itself (rsyslog, promtool, Fluent Bit's build tools) -----------------
+def apt_install(packages: Sequence[str], why: str, log: Log) -> None:
+    """``apt-get update`` + ``apt-get install`` of ``packages`` where this is a Debian-like machine and we are
+    root; otherwise an ``InstallError`` that names the packages to install."""
+    hint = f"install Debian's {', '.join(packages)} (apt-get install {' '.join(packages)})"
+    apt = shutil.which("apt-get")
+    if not apt or os.geteuid() != 0:
+        raise InstallError(f"{why} needs {', '.join(packages)}; {hint}")
+    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
+    for cmd in ([apt, "update", "-qq"], [apt, "install", "-y", "-qq", "--no-install-recommends", *packages]):
+        log(f"installing {' '.join(packages)} for {why}: {' '.join(cmd[:3])} ...")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            output = (proc.stdout + proc.stderr)[-2000:]
+            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{output}")
+
+
+def ensure_promtool(log: Log = print) -> Path:
+    """Prometheus' promtool (checks and unit-tests the alerting rules), from Debian's ``prometheus`` package."""
+    found = shutil.which("promtool")
+    if not found:
+        apt_install(["prometheus"], "promtool (the alerting rules' checks)", log)
+        found = shutil.which("promtool")
+        if not found:
+            raise InstallError("apt-get installed prometheus but promtool is not on PATH")
+        log(f"promtool installed at {found}")
+    return Path(found)

@@ -8,13 +8,11 @@ install step runs through ``xidflow local install``), else it says what to insta
 from __future__ import annotations
 
 import glob
-import os
 import shutil
-import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
-from pipeline.localinfra.install import InstallError, Log
+from pipeline.localinfra.install import InstallError, Log, apt_install
 
 PACKAGES = ("rsyslog", "rsyslog-kafka")
 MODULE_GLOBS = ("/usr/lib/*/rsyslog/omkafka.so", "/usr/lib/rsyslog/omkafka.so", "/usr/lib64/rsyslog/omkafka.so")
@@ -42,19 +40,9 @@ def ensure_rsyslog_kafka(log: Log = print) -> RsyslogDist:
     dist = find_rsyslog_kafka()
     if dist:
         return dist
-    hint = f"install Debian's {' and '.join(PACKAGES)} (apt-get install {' '.join(PACKAGES)})"
-    apt = shutil.which("apt-get")
-    if not apt or os.geteuid() != 0:
-        raise InstallError(f"rsyslogd with omkafka is missing; {hint}")
-    env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    for cmd in ([apt, "update"], [apt, "install", "-y", "--no-install-recommends", *PACKAGES]):
-        log(f"installing rsyslog with omkafka: {' '.join(cmd)}")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-        if proc.returncode != 0:
-            output = (proc.stdout + proc.stderr)[-2000:]
-            raise InstallError(f"{' '.join(cmd)} failed (exit {proc.returncode}):\n{output}")
+    apt_install(PACKAGES, "rsyslog with omkafka", log)
     dist = find_rsyslog_kafka()
     if not dist:
-        raise InstallError(f"apt-get installed {' '.join(PACKAGES)} but omkafka.so is not where expected; {hint}")
+        raise InstallError(f"apt-get installed {' and '.join(PACKAGES)} but omkafka.so is not where expected")
     log(f"rsyslogd {dist.rsyslogd} with omkafka in {dist.module_dir}")
     return dist

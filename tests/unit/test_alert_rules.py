@@ -1,7 +1,7 @@
 """xidflow's alerting rules: valid (promtool check rules), behaving as specified (promtool test rules),
 built on metrics that exist, and embedded unchanged in the chart's PrometheusRule.
 
-promtool comes from Debian's `prometheus` package (.ci/run installs it). Without it these tests fail:
+promtool comes from Debian's `prometheus` package (`make test` installs it: `xidflow local install --promtool`). Without it these tests fail:
 they never skip.
 """
 
@@ -27,7 +27,7 @@ REQUIRED_ALERTS = {
 
 def promtool() -> str:
     path = shutil.which("promtool")
-    assert path, "promtool is not installed (Debian: apt-get install prometheus; .ci/run does it)"
+    assert path, "promtool is not installed (xidflow local install --promtool, or Debian: apt-get install prometheus)"
     return path
 
 
