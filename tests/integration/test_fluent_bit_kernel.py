@@ -167,8 +167,8 @@ async def test_the_prefilter_as_fluent_bit_runs_it_keeps_every_corpus_fault_and_
     fb = start(tmp_path / "re", node_name("re"), kafka_bootstrap, prefix)
     try:
         fb.write("kern.log", *NOISE, *faults, *NOISE)
-        fb.wait_delivered(len(faults))
-        time.sleep(3)  # anything more (noise) would have been flushed by now (flush: 1 s)
+        await asyncio.to_thread(fb.wait_delivered, len(faults))
+        await asyncio.sleep(3)  # anything more (noise) would have been flushed by now (flush: 1 s)
     finally:
         fb.stop()
     shipped = [orjson.loads(v)["msg"] for _, v in await read_all(kafka_bootstrap, topic)]
@@ -213,7 +213,7 @@ async def test_kafka_down_for_30s_buffers_on_disk_and_a_restart_duplicates_nothi
             for d in daemons:
                 d.write("kern.log", dmesg(10.0, XID_62))
             for d in daemons:
-                d.wait_delivered(1)
+                await asyncio.to_thread(d.wait_delivered, 1)
             await wait_incidents(pipe, {node: has_code(62) for node in nodes}, daemons)
             cluster.stop_broker(1)
             down_at = time.monotonic()
@@ -223,13 +223,13 @@ async def test_kafka_down_for_30s_buffers_on_disk_and_a_restart_duplicates_nothi
                 for d in daemons:
                     d.write("kern.log", dmesg(20.0 + written, XID_62), dmesg(20.5 + written, NOISE[3]))
                 written += 1
-                time.sleep(1)
+                await asyncio.sleep(1)
             for d in daemons:
                 assert d.alive(), f"Fluent Bit of {d.node} died while Kafka was down:\n{d.log_tail()}"
             assert any((d.root / "flb-storage").rglob("*.flb") for d in daemons), "nothing buffered on disk"
             cluster.start_broker(1)
             for d in daemons:
-                d.wait_delivered(1 + written, timeout=120)
+                await asyncio.to_thread(d.wait_delivered, 1 + written, timeout=120)
             # Nothing lost, nothing doubled on the raw topic; each node's storm is still one incident.
             await pipe.sentinel(nodes[-1], time.time(), within_s=120)
             raw = await read_all(bootstrap, topics.name("logs_kernel"))
@@ -246,7 +246,7 @@ async def test_kafka_down_for_30s_buffers_on_disk_and_a_restart_duplicates_nothi
                 d.start()
                 d.write("kern.log", dmesg(90.0, XID_48))
             for d in daemons:
-                d.wait_delivered(1)
+                await asyncio.to_thread(d.wait_delivered, 1)
             await asyncio.sleep(3)
             raw = await read_all(bootstrap, topics.name("logs_kernel"))
             per_node = {n: len([1 for k, _ in raw if k == n.encode()]) for n in nodes}

@@ -1,8 +1,8 @@
 """xidflow's alerting rules: valid (promtool check rules), behaving as specified (promtool test rules),
 built on metrics that exist, and embedded unchanged in the chart's PrometheusRule.
 
-promtool comes from Debian's `prometheus` package (`make test` installs it: `xidflow local install --promtool`). Without it these tests fail:
-they never skip.
+promtool comes from Debian's `prometheus` package (`make test` installs it: `xidflow local install --promtool`).
+Without it these tests fail: they never skip.
 """
 
 from __future__ import annotations
