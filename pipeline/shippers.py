@@ -198,15 +198,28 @@ def filebeat_line(obj: Mapping[str, Any]) -> ShippedLine:
 
 _MONTHS = {m: i for i, m in enumerate(("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct",
                                       "Nov", "Dec"), 1)}
-_RFC3339 = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:\d{2})"
-_BSD = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d{2}:\d{2}:\d{2}"
+# journalctl -o short-iso / short-iso-precise print the offset without a colon on older systemd ("%z"),
+# -o short-precise adds microseconds to the traditional form, -o short-full (with --utc) writes
+# "Thu 2024-07-04 11:09:40 UTC" (systemd logs-show.c). A named zone other than UTC is ambiguous: such a
+# line is not taken as a syslog header (its record stays plain text, timed by Kafka).
+_RFC3339 = r"\d{4}-\d{2}-\d{2}T\d{2}:\d{2}:\d{2}(?:\.\d{1,9})?(?:Z|[+-]\d{2}:?\d{2})"
+_BSD = r"(?:Jan|Feb|Mar|Apr|May|Jun|Jul|Aug|Sep|Oct|Nov|Dec) [ \d]\d \d{2}:\d{2}:\d{2}(?:\.\d{1,6})?"
+_FULL = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun) \d{4}-\d{2}-\d{2} \d{2}:\d{2}:\d{2}(?:\.\d{1,6})? UTC"
 _HOST = r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}"
 _SYSLOG = re.compile(
-    rf"^(?:<(?P<pri>\d{{1,3}})>(?P<ver>1 )?)?(?P<ts>{_RFC3339}|{_BSD}) (?P<host>{_HOST}) (?P<rest>.*)$"
+    rf"^(?:<(?P<pri>\d{{1,3}})>(?P<ver>1 )?)?(?P<ts>{_RFC3339}|{_BSD}|{_FULL}) (?P<host>{_HOST}) (?P<rest>.*)$"
+)
+# Talos Linux's kernel log (machined's Dmesg API and "kernel" service log: "%s: %7s: [%s]: %s", facility,
+# priority, RFC 3339 time, text), with the "<node>: " talosctl puts in front. That node is the API endpoint as
+# it was addressed (often an IP address), not the Kubernetes node name: the Kafka key or header names the node.
+_TALOS = re.compile(
+    rf"^(?:[\w.:\[\]-]+: )?(?P<facility>[a-z][a-z0-9]*): +[a-z]+: \[(?P<ts>{_RFC3339})\]: (?P<msg>.*)$"
 )
 _TAG = re.compile(r"^(?P<tag>[^\s:\[]{1,64})(?:\[\d+\])?: ?(?P<msg>.*)$")
 _RFC5424_REST = re.compile(r"^(?P<app>\S+) \S+ \S+ (?:-|(?:\[(?:[^\]\\]|\\.)*\])+) ?(?P<msg>.*)$")
 _FRACTION = re.compile(r"\.(\d+)")
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
+_WEEKDAYS = frozenset(("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +231,8 @@ class SyslogLine:
 
 
 def _syslog_time(text: str, reference: datetime) -> datetime | None:
+    if text[:3] in _WEEKDAYS:  # journalctl -o short-full --utc: "Thu 2024-07-04 11:09:40 UTC"
+        text = text[4:-4].replace(" ", "T") + "+00:00"
     if text[:1].isdigit():
         # Python's fromisoformat takes at most 6 fractional digits; rsyslog writes up to 6, others 9.
         text = _FRACTION.sub(lambda m: "." + m.group(1)[:6].ljust(6, "0"), text, count=1)
@@ -228,9 +243,11 @@ def _syslog_time(text: str, reference: datetime) -> datetime | None:
     # Traditional timestamps have no year and no zone: the reference's year (the one before, when the
     # date would lie more than a day ahead, as on 1 January for a line of 31 December), UTC.
     month, day, clock = text.split()
+    clock, _, fraction = clock.partition(".")  # journalctl -o short-precise: microseconds
     hh, mm, ss = (int(p) for p in clock.split(":"))
     try:
-        ts = datetime(reference.year, _MONTHS[month], int(day), hh, mm, ss, tzinfo=UTC)
+        ts = datetime(reference.year, _MONTHS[month], int(day), hh, mm, ss, int(fraction.ljust(6, "0")),
+                      tzinfo=UTC)
         if (ts - reference).days >= 1:
             ts = ts.replace(year=reference.year - 1)
     except ValueError:
@@ -260,17 +277,40 @@ def parse_syslog(line: str, reference: datetime) -> SyslogLine | None:
     return SyslogLine(ts=ts, host=m.group("host"), tag=tag, message=rest)
 
 
+def parse_talos(line: str) -> tuple[datetime, bool, str] | None:
+    """Time, kernel facility or not, and text of one Talos kernel-log line; None when it is not one."""
+    m = _TALOS.match(line)
+    if m is None:
+        return None
+    ts = _syslog_time(m.group("ts"), _EPOCH)
+    if ts is None:
+        return None
+    kernel = m.group("facility") == "kern"
+    # Another facility keeps its name in front, so its text is never taken for the kernel's own.
+    return ts, kernel, m.group("msg") if kernel else f"{m.group('facility')}: {m.group('msg')}"
+
+
 def syslog_lines(text: str, reference: datetime) -> list[ShippedLine] | None:
-    """A text record whose every non-empty line has a syslog header, as lines; else None (plain text)."""
+    """A text record whose every non-empty line has a syslog (or Talos) header, as lines; else None (plain text).
+
+    Another program's tag stays in front of its text ("gpu-alerter: NVRM: ..."), as journalctl shows it, so a
+    kernel line it quotes is not taken for the kernel's own (pipeline.parsing.common.prefix_is_kernel).
+    """
     out: list[ShippedLine] = []
     for raw in text.splitlines():
         if not raw.strip():
             continue
         parsed = parse_syslog(raw, reference)
         if parsed is None:
-            return None
-        out.append(ShippedLine(line=parsed.message, shipper="syslog", node=parsed.host, ts=parsed.ts,
-                               kernel=parsed.tag == "kernel"))
+            talos = parse_talos(raw)
+            if talos is None:
+                return None
+            ts, kernel, message = talos
+            out.append(ShippedLine(line=message, shipper="talos", ts=ts, kernel=kernel))
+            continue
+        kernel = parsed.tag == "kernel"
+        line = parsed.message if kernel or parsed.tag is None else f"{parsed.tag}: {parsed.message}"
+        out.append(ShippedLine(line=line, shipper="syslog", node=parsed.host, ts=parsed.ts, kernel=kernel))
     return out or None
 
 

@@ -33,9 +33,13 @@ _QUOTING_CHARS = frozenset("\"'=|$`\\")
 # What may stand before the driver's text on a line the kernel wrote, left to right, each part optional:
 #   syslog priority "<4>" (RFC 5424 adds a version digit), a /dev/kmsg record header "6,1234,5678,-;",
 #   a syslog / journald header ending in the kernel's tag ("Nov 21 23:11:02 host kernel: ",
-#   "2024-07-04T11:09:40+00:00 host kernel: ", RFC 5424 "... host kernel - - - ", bare "kernel: ") or a
-#   bare timestamp (dmesg --time-format iso), dmesg -x "kern  :err   : ", and bracketed stamps
-#   ("[538441.007373] ", dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
+#   "2024-07-04T11:09:40+00:00 host kernel: ", RFC 5424 "... host kernel - - - ", bare "kernel: "; every
+#   journalctl -o short* mode: short-iso "2024-07-04T11:09:40+0000 host kernel: ", short-precise
+#   "Jul 04 11:09:40.123456 host kernel: ", short-monotonic "[538441.007373] host kernel: ", short-full
+#   "Thu 2024-07-04 11:09:40 UTC host kernel: ", short-unix "1720091380.123456 host kernel: "), Talos's kernel
+#   log ("node: kern: warning: [2026-04-22T21:25:20.505406921Z]: ", node optional) or a bare timestamp
+#   (dmesg --time-format iso), dmesg -x "kern  :err   : ", and bracketed stamps ("[538441.007373] ",
+#   dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
 # Anything else -- another program's tag ("alertmanager[12]: "), a log level ("WARN "), words ending in a
 # colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
 _TOKEN = r"""[^\s:"'=|$`\\]+(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
@@ -47,10 +51,25 @@ _HEAD_RE = re.compile(
     r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
     r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:)"
 )
+# Talos Linux formats every kernel message "%s: %7s: [%s]: %s" (facility, priority right-aligned to 7,
+# RFC 3339 time with nanoseconds, text: machined's Dmesg API and its "kernel" service log), and talosctl puts
+# "<node>: " in front (the node as it was addressed: host name, IPv4 or IPv6 address). Only the kernel's
+# facility: a userspace program writing to /dev/kmsg shows up as "user: ..." or "daemon: ...".
+_TALOS_NODE = r"(?:[\w.-]+|\[?[0-9A-Fa-f:.]+\]?)"
+_TALOS = r"(?:" + _TALOS_NODE + r":\s+)?kern:\s+[a-z]+:\s+\[" + _ISO_TS + r"\]:\s*"
+# An RFC 5424 header whose APP-NAME is the kernel's and that carries structured data
+# ('<4>1 2024-07-04T11:09:40.123Z host kernel - - [timeQuality tzKnown="1"] '): its quoted parameter values
+# are part of the header, not a quotation of the kernel's text, so the header is taken off before the quoting
+# check. A quoted value holding the marker itself never closes its element, so it is never taken off.
+_RFC5424_SD_RE = re.compile(
+    r"\s*<\d{1,3}>1\s+\S+\s+\S+\s+kernel\s+\S+\s+\S+\s+"
+    r"(?:\[[^\s\]\[=\"]+(?:\s+[^\s\]\[=\"]+=\"(?:[^\"\\]|\\.)*\")*\s*\]\s*)+"
+)
 _KERNEL_PREFIX_RE = re.compile(
     r"\s*(?:<\d{1,3}>\d?\s*)?"
     r"(?:\d+,\d+,\d+(?:,[^;]*)?;)?"
     r"(?:(?:" + _TOKEN + r"\s+){0,8}?(?:kernel|vmunix)(?:\[\d+\])?(?::|(?:\s+-){3})\s*"
+    r"|" + _TALOS +
     r"|" + _ISO_TS + r"\s+)?"
     r"(?:kern\s*:\s*[a-z]+\s*:\s*)?(?:" + _ISO_TS + r"\s+)?"
     r"(?:\[[^\]\[]*\]\s*)*"
@@ -61,15 +80,20 @@ def prefix_is_kernel(prefix: str) -> bool:
     """True when ``prefix`` (the text before the driver's marker) can be a kernel log prefix.
 
     Accepts dmesg ``[538441.007373] ``, ``dmesg -T`` ``[Thu Jul  4 11:09:40 2024] ``, syslog
-    ``Nov 21 23:11:02 host kernel: ``, journald short, kmsg records ``6,1234,5678,-;``, ``dmesg -x``
-    ``kern  :err   : ``, indentation and nothing at all. Rejects prefixes that quote the text or that
-    are another program's message around it (a tag other than the kernel's, a log level, a label).
+    ``Nov 21 23:11:02 host kernel: `` (RFC 3339 and RFC 5424 headers too), every ``journalctl -o short*``
+    mode, Talos ``node: kern: warning: [2026-04-22T21:25:20.505406921Z]: ``, kmsg records
+    ``6,1234,5678,-;``, ``dmesg -x`` ``kern  :err   : ``, indentation and nothing at all. Rejects prefixes
+    that quote the text or that are another program's message around it (a tag other than the kernel's, a
+    log level, a label, a Talos facility other than ``kern``).
     """
     if not prefix or prefix.isspace():
         return True
     head = _HEAD_RE.match(prefix)
     if head is not None:  # a kmsg record header ("caller=T12" has '=') or grep's "file:" / "file:line:"
         prefix = prefix[head.end():]
+    sd = _RFC5424_SD_RE.match(prefix)
+    if sd is not None:  # RFC 5424 kernel header with structured data (its values are quoted)
+        prefix = prefix[sd.end():]
     if not _QUOTING_CHARS.isdisjoint(prefix):
         return False
     return _KERNEL_PREFIX_RE.fullmatch(prefix) is not None

@@ -7,8 +7,8 @@ fails every rank of a distributed job reports errors. Each signal is therefore t
 - ``hardware``: the CUDA runtime says the hardware failed (uncorrectable ECC / NVLink error);
 - ``application``: the job's own bug or a crash it caused (illegal address, device-side assert, ...);
 - ``sympathetic``: collective-communication failures every rank reports when a peer dies (NCCL
-  watchdog timeouts, remote process exited, NET/IB completion errors with a status, socket transport
-  "Connection reset by peer"). Never act on these alone: the aggregator attaches them to kernel
+  watchdog timeouts, remote process exited, NET/IB completion errors with a status, failed ibv_* verbs
+  calls, socket transport "Connection reset by peer"). Never act on these alone: the aggregator attaches them to kernel
   evidence on the same node (corroboration), exactly like the watchdog timeouts.
 
 The patterns cover the CUDA runtime's error strings (``cudaGetErrorString``), the driver API's
@@ -76,6 +76,14 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
     # AWS OFI completion errors, and the socket transport's recv failing on a reset or closed connection.
     ("nccl_net_ib_error", SignalGrade.SYMPATHETIC,
      r"NET/IB\s*:\s*Got (?:completion\b[^\n]*?with (?:error|status)|async (?:error )?event)"),
+    # NCCL's verbs wrapper (misc/ibvwrap.cc) when an ibv_* call fails: "NCCL WARN Call to ibv_create_cq failed",
+    # "... Call to ibv_modify_qp failed with error Connection timed out", "... failed with 110 Connection timed
+    # out, on dev mlx5_0:1, curr state INIT, next state RTR, ..." (NCCL >= 2.2x), "Call to ibv_poll_cq()
+    # returned -1". A peer that died, a fabric problem or the job's own limits (memlock for ibv_reg_mr): the
+    # node's GPUs are not implicated on their own. Only NCCL's WARN line counts; UCX, libfabric and others
+    # word their ibv_* failures differently and are not NCCL's transport.
+    ("nccl_ibv_call_failed", SignalGrade.SYMPATHETIC,
+     r"NCCL WARN Call to ibv_\w+(?:\(\))? (?:failed|returned)"),
     ("nccl_net_ofi_error", SignalGrade.SYMPATHETIC,
      r"NET/OFI\b[^\n]*?(?:error|failed)"),
     ("nccl_net_socket_error", SignalGrade.SYMPATHETIC,

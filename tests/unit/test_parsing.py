@@ -50,6 +50,24 @@ def test_normalize_pci(raw: str, expected: str | None) -> None:
         "6,1234,5678901,-;",
         "kern  :err   : 2025-01-25T10:34:54,859532+00:00 ",
         "               ",
+        # Talos: talosctl dmesg (node first: host name, IPv4, IPv6) and its kernel log without the node.
+        "talos-gpu-1: kern: warning: [2026-04-22T21:25:20.505406921Z]: ",
+        "172.20.1.2: kern:    info: [2021-11-10T10:09:37.662764956Z]: ",
+        "fd00:10::2: kern:     err: [2026-04-22T21:25:20Z]: ",
+        "kern:    crit: [2026-04-22T21:25:20.505406921Z]: ",
+        # journalctl -k -o short-iso (old systemd: %z), short-iso-precise, short-precise, short-monotonic,
+        # short-full, short-unix.
+        "2024-07-04T11:09:40+0000 gpu-node-3 kernel: ",
+        "2024-07-04T11:09:40.123456-0700 gpu-node-3 kernel: ",
+        "Jul 04 11:09:40.123456 gpu-node-3 kernel: ",
+        "[538441.007373] gpu-node-3 kernel: ",
+        "[   20.544453] gpu-node-3 kernel: ",
+        "Thu 2024-07-04 11:09:40 CEST gpu-node-3 kernel: ",
+        "1720091380.123456 gpu-node-3 kernel: ",
+        # RFC 5424 (rsyslog RSYSLOG_SyslogProtocol23Format), with and without structured data.
+        "<4>1 2024-07-04T11:09:40.123456+00:00 gpu-node-3 kernel - - - ",
+        '<4>1 2024-07-04T11:09:40.123Z gpu-node-3 kernel - - [timeQuality tzKnown="1" isSynced="1"] ',
+        '<4>1 2024-07-04T11:09:40.123Z gpu-node-3 kernel - - [a@1 x="q\\"]"][b@2] [538441.007373] ',
     ],
 )
 def test_every_kernel_prefix_is_accepted_and_parsed(prefix: str) -> None:
@@ -72,6 +90,14 @@ def test_every_kernel_prefix_is_accepted_and_parsed(prefix: str) -> None:
         "NVRM: loading NVIDIA UNIX x86_64 Kernel Module  550.54.15",
         "nvidia-nvswitch0: SXid (PCI:0000:c1:00.0): garbled, Fatal",
         "segfault at 0 ip 0 sp 0 error 4 in libc.so.6[7f00+1000]",
+        # Talos: only the kernel's facility, and the bracketed RFC 3339 time is part of the form.
+        "talos-gpu-1: user: warning: [2026-04-22T21:25:20.505406921Z]: NVRM: Xid (PCI:0000:4e:00): 79, x",
+        "talos-gpu-1: kern: warning: [2026-04-22T21:25:20Z]: gpu-alerter: NVRM: Xid (PCI:0000:4e:00): 79, x",
+        "ALERT: talos-gpu-1: kern: warning: [2026-04-22T21:25:20Z]: NVRM: Xid (PCI:0000:4e:00): 79, x",
+        # RFC 5424: the text quoted in a structured-data value, or another program's APP-NAME.
+        '<11>1 2024-07-04T11:09:40Z n kernel - - [a@1 line="NVRM: Xid (PCI:0000:4e:00): 79, x"]',
+        '<11>1 2024-07-04T11:09:40Z n gpu-alerter 12 - [a@1 x="1"] NVRM: Xid (PCI:0000:4e:00): 79, x',
+        '<11>1 2024-07-04T11:09:40Z n kernel - - [a@1 x="1"] gpu-alerter[3]: NVRM: Xid (PCI:0000:4e:00): 79, x',
     ],
 )
 def test_lookalikes_produce_nothing(line: str) -> None:
@@ -185,6 +211,17 @@ def test_nccl_segfault() -> None:
         # A line naming both a sympathetic and a hardware cause counts as hardware.
         ("NCCL error: unhandled cuda error, caused by: uncorrectable ECC error encountered",
          "cuda_ecc_uncorrectable", SignalGrade.HARDWARE),
+        # NCCL's verbs wrapper: every ibv_* call, with or without the error text, and poll_cq's own wording.
+        ("n1:1:2 [0] misc/ibvwrap.cc:268 NCCL WARN Call to ibv_create_cq failed", "nccl_ibv_call_failed",
+         SignalGrade.SYMPATHETIC),
+        ("NCCL WARN Call to ibv_modify_qp failed with error Connection timed out", "nccl_ibv_call_failed",
+         SignalGrade.SYMPATHETIC),
+        ("NCCL WARN Call to ibv_reg_dmabuf_mr failed with error Invalid argument", "nccl_ibv_call_failed",
+         SignalGrade.SYMPATHETIC),
+        ("n1:1:2 [0] NCCL WARN Call to ibv_poll_cq() returned -1", "nccl_ibv_call_failed", SignalGrade.SYMPATHETIC),
+        # Its cause, when the same line names a hardware one, still wins.
+        ("NCCL WARN Call to ibv_modify_qp failed; CUDA error: uncorrectable ECC error encountered",
+         "cuda_ecc_uncorrectable", SignalGrade.HARDWARE),
     ],
 )
 def test_pod_signals(line: str, name: str, grade: SignalGrade) -> None:
@@ -192,6 +229,12 @@ def test_pod_signals(line: str, name: str, grade: SignalGrade) -> None:
     assert signal is not None and (signal.name, signal.grade) == (name, grade)
 
 
-@pytest.mark.parametrize("line", ["loss=0.1 step=3", "Error: file not found", "assertion passed", ""])
+@pytest.mark.parametrize(
+    "line",
+    ["loss=0.1 step=3", "Error: file not found", "assertion passed", "",
+     # Verbs failures of other libraries, and NCCL saying a verbs call succeeded or is being made.
+     "UCX ERROR ibv_reg_mr failed: Bad address", "ibv_create_cq(cqe=4096) failed: Cannot allocate memory",
+     "n1:1:2 [0] NCCL INFO Call to ibv_create_cq succeeded", "NCCL INFO NET/IB : Using [0]mlx5_1:1/RoCE"],
+)
 def test_pod_noise(line: str) -> None:
     assert match_pod_signal(line) is None

@@ -10,7 +10,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipeline.detect import Detector, classify_lines, prefilter
-from pipeline.parsing import match_pod_signal, normalize_pci, parse_kernel_line
+from pipeline.parsing import XidLine, match_pod_signal, normalize_pci, parse_kernel_line
 from schemas.records import FaultEvent, LogRecord
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
@@ -26,6 +26,9 @@ FRAGMENTS = [
     "segfault at 7f ", "in libnccl.so.2[", "(GPC 1, TPC 2, SM 3)", "from 0x0 (None) to 0x", "ffffffff",
     "\"", "[12.5] ", "kernel: ", "\x00", "\ufffd", "CUDA error: ", "uncorrectable ECC error encountered",
     "NCCL error", "Watchdog caught collective operation timeout",
+    # Prefixes of the operating systems fleets run (Talos, journalctl -o short-*, RFC 5424) and NCCL verbs.
+    "talos-1: ", "kern: ", "warning: ", "[2026-04-22T21:25:20.505406921Z]: ", "<4>1 ", "2024-07-04T11:09:40+0000 ",
+    "host kernel - - ", "[x@1 a=\"b\"] ", "Jul 04 11:09:40.123456 ", "NCCL WARN Call to ibv_", "create_cq failed",
 ]
 fault_like = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=8), max_size=25).map("".join)
 any_text = st.text(max_size=400) | fault_like | st.binary(max_size=300).map(lambda b: b.decode("utf-8", "replace"))
@@ -89,3 +92,40 @@ def test_probe_json_of_the_wrong_shape(payload: object) -> None:
     # The stdlib encoder also writes integers beyond 64 bits, which orjson refuses to read.
     line = json.dumps(payload)
     _roundtrip(Detector().process(LogRecord(node="n", source="probe", ts=T0, line=line)))
+
+
+# -- Talos's kernel log form: "[<node>: ]<facility>: <priority, right-aligned to 7>: [<RFC 3339 time>]: <text>" --
+
+XID62 = "NVRM: Xid (PCI:0000:48:00): 62, pid='<unknown>', name=<unknown>, 0000(0000) 00000000 00000000"
+_LEVELS = ["emerg", "alert", "crit", "err", "warning", "notice", "info", "debug"]
+_host = st.from_regex(r"[a-z][a-z0-9-]{0,20}(\.[a-z0-9-]{1,10}){0,3}", fullmatch=True)
+_ipv4 = st.tuples(*[st.integers(0, 255)] * 4).map(lambda t: ".".join(map(str, t)))
+_ipv6 = st.lists(st.integers(0, 0xFFFF).map(lambda n: f"{n:x}"), min_size=2, max_size=8).map(":".join)
+_node = st.none() | _host | _ipv4 | _ipv6 | _ipv6.map(lambda a: a.replace(":0:", "::", 1))
+_stamp = st.tuples(
+    st.datetimes(min_value=datetime(2001, 1, 1), max_value=datetime(2099, 1, 1)), st.integers(0, 999_999_999)
+).map(lambda t: t[0].strftime("%Y-%m-%dT%H:%M:%S") + _nano_fraction(t[1]) + "Z")
+
+
+def _nano_fraction(nanos: int) -> str:
+    """Go's time.RFC3339Nano drops trailing zeros, and the dot when nothing is left."""
+    digits = f"{nanos:09d}".rstrip("0")
+    return f".{digits}" if digits else ""
+
+
+def _talos(node: str | None, facility: str, level: str, stamp: str) -> str:
+    return (f"{node}: " if node else "") + f"{facility}: {level:>7}: [{stamp}]: "
+
+
+@FAST
+@given(node=_node, level=st.sampled_from(_LEVELS), stamp=_stamp)
+def test_every_talos_kernel_prefix_is_the_kernel(node: str | None, level: str, stamp: str) -> None:
+    parsed = parse_kernel_line(_talos(node, "kern", level, stamp) + XID62)
+    assert isinstance(parsed, XidLine) and (parsed.code, parsed.pci) == (62, "0000:48:00.0")
+
+
+@FAST
+@given(node=_node, level=st.sampled_from(_LEVELS), stamp=_stamp,
+       facility=st.sampled_from(["user", "mail", "daemon", "auth", "syslog", "lpr", "local0", "local7"]))
+def test_no_other_talos_facility_is_the_kernel(node: str | None, level: str, stamp: str, facility: str) -> None:
+    assert parse_kernel_line(_talos(node, facility, level, stamp) + XID62) is None
