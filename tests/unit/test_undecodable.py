@@ -51,7 +51,8 @@ def test_an_lz4_batch_without_its_library_is_located_with_its_offsets(monkeypatc
     exc, failure = failure_of(data, 10)
     assert failure == Failure(TP.topic, 3, 12, 16, Reason.UNSUPPORTED_CODEC,
                               "UnsupportedCodecError: Libraries for lz4 compression codec not found")
-    assert "HELD" in failure.describe(Action.HOLD) and "gpu.logs.kernel[3] offset 12-16" in failure.describe(Action.HOLD)
+    text = failure.describe(Action.HOLD)
+    assert "HELD" in text and "gpu.logs.kernel[3] offset 12-16" in text
 
 
 def test_a_batch_changed_after_its_crc_is_located_as_corrupt() -> None:
