@@ -21,6 +21,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import orjson
 import pytest
 from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import codec as aiokafka_codec
@@ -333,7 +334,31 @@ async def test_lz4_without_its_library_is_held_loudly_and_read_after_the_fix(
                            reason="unsupported_codec") == 1
             assert _metric(exported, "xidflow_stage_restarts_total", stage="parse") == 0
             assert not any(pipe.incidents(n) for n in held_nodes)
-            print("\n".join(["held log line:", held_lines[0], "healthz:", _healthz_body(port).strip()]))
+
+            # The aggregation's own consumer (Faust) meets an lz4 batch of fault events: held the same way.
+            fault_topic = TopicNames(prefix=prefix).name("fault_events")
+            agg_node = f"agg-held-{uuid.uuid4().hex[:6]}"
+            template = next(e for e in pipe.seen["fault_events"] if e.get("node") == before_node)
+            event = {k: v for k, v in template.items() if k != "_at"} | {"node": agg_node, "id": uuid.uuid4().hex}
+            lz4 = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, compression_type="lz4")
+            await lz4.start()
+            try:
+                await lz4.send_and_wait(fault_topic, orjson.dumps(event), key=agg_node.encode())
+            finally:
+                await lz4.stop()
+            deadline = time.monotonic() + 60
+            while "aggregate: undecodable record batch" not in broken.log_path.read_text(errors="replace"):
+                assert time.monotonic() < deadline, broken.log_tail()
+                await asyncio.sleep(0.5)
+            await asyncio.sleep(3)
+            log_text = broken.log_path.read_text(errors="replace")
+            agg_lines = [ln for ln in log_text.splitlines() if "aggregate: undecodable record batch" in ln]
+            assert len(agg_lines) == 1 and f"{fault_topic}[" in agg_lines[0], agg_lines
+            exported = _get(port, "/metrics")
+            assert _metric(exported, "xidflow_held_partitions", stage="aggregate", topic=fault_topic) == 1
+            assert broken.alive(), broken.log_tail()
+            held_nodes.append(agg_node)  # its incident must come after the fix
+            print("\n".join(["held log line:", held_lines[0], agg_lines[0], "healthz:", _healthz_body(port).strip()]))
 
             # The fix: the same worker with the library. It reads the held partition from where it stopped.
             broken.stop()
