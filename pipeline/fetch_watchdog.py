@@ -194,6 +194,15 @@ class GuardedConsumer(faust_aiokafka.Consumer):
     """
 
     source_topics: frozenset[str] = frozenset()
+    _undecodable: undecodable.Undecodable | None = None
+    _live: Component | None = None
+
+    @property
+    def undecodable(self) -> undecodable.Undecodable:
+        """Batches this consumer could not decode, and the partitions it holds for them."""
+        if self._undecodable is None:
+            self._undecodable = undecodable.Undecodable()
+        return self._undecodable
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -202,8 +211,6 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
         self._finished: Counter[tuple[Any, int]] = Counter()  # (tp, offset) finished, until acknowledged
         self.seek_fence = SeekFence()
-        self.undecodable = undecodable.Undecodable()
-        self._live: Component | None = None
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
         held = self._held_partitions()
@@ -225,7 +232,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
 
     def _held_partitions(self) -> set[Any]:
         """Held partitions still assigned here (one that moved away is its new owner's to meet)."""
-        if not self.undecodable.held:
+        if self._undecodable is None or not self._undecodable.held:
             return set()
         assigned = {(tp.topic, tp.partition): tp for tp in self.assignment()}
         for key in [k for k in self.undecodable.held if k not in assigned]:
