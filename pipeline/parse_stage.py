@@ -733,7 +733,7 @@ class ParseStage:
             action = self.undecodable.decide(failure, position)
             if action is not undecodable.Action.APPROACH:
                 break
-            await consumer.seek(tp, position)  # drop the half-read fetch: fetch again from the position
+            consumer.seek(tp, position)  # drop the half-read fetch: fetch again from the position
             try:
                 got = await consumer.getmany(tp, timeout_ms=s.poll_timeout_ms,
                                              max_records=min(failure.first_offset - position, s.max_records))
@@ -751,7 +751,7 @@ class ParseStage:
             return  # not there yet: the next getmany meets the batch again
         if action is undecodable.Action.RETRY:
             log.debug("undecodable batch at %s[%d]@%s: fetching it once more", tp.topic, tp.partition, failure.offsets)
-            await consumer.seek(tp, position)
+            consumer.seek(tp, position)
             return
         first = self.undecodable.first_report(failure)
         text = failure.describe(action)
@@ -775,7 +775,7 @@ class ParseStage:
         self.counters.dead_letters += 1
         self._ends[tp] = resume
         await self._commit(consumer, {tp: resume})
-        await consumer.seek(tp, resume)
+        consumer.seek(tp, resume)
 
     def release_held(self) -> None:
         """Partitions are assigned anew (rebalance, restart): nothing is paused any more; a held batch

@@ -107,7 +107,7 @@ def locate(exc: BaseException) -> Failure | None:
         last = None
     reason = Reason.UNSUPPORTED_CODEC if isinstance(exc, UnsupportedCodecError) else Reason.CORRUPT
     text = str(exc)  # aiokafka's errors start with their class name already
-    error = text if text.startswith(type(exc).__name__) else f"{type(exc).__name__}: {text}"
+    error = text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
     return Failure(tp.topic, tp.partition, first, last, reason, error)
 
 

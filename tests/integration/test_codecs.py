@@ -376,3 +376,74 @@ async def test_lz4_without_its_library_is_held_loudly_and_read_after_the_fix(
                 fixed.stop()
     finally:
         broken.stop()
+
+
+# -- a batch nobody can decode: skipped behind a dead letter naming its offsets ---------------------------
+def _corrupt_on_disk(root: Path, topic: str, needle: bytes) -> None:
+    """Change one byte of the record holding ``needle`` in the partition's segment on the broker's disk."""
+    segments = list(root.glob(f"**/data/{topic}-0/*.log"))
+    assert len(segments) == 1, segments
+    data = bytearray(segments[0].read_bytes())
+    at = data.find(needle)
+    assert at > 0
+    data[at] ^= 0x20  # a letter's case: the record's CRC no longer matches
+    segments[0].write_bytes(bytes(data))
+
+
+async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_goes_on(
+    private_kafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch whose bytes changed on the broker's disk after its CRC was written (real corruption, read
+    through the real broker): the stage re-fetches it once, then dead-letters its offsets and reads on."""
+    from pipeline.parse_stage import ParseSettings, ParseStage
+
+    cluster = private_kafka(1)
+    bootstrap = cluster.bootstrap
+    topics = TopicNames(prefix=f"t-crc-{uuid.uuid4().hex[:6]}-")
+    raw = topics.name("logs_kernel")
+    await ensure_topics(bootstrap, [raw, topics.name("fault_events"), topics.name("deadletter")], 1)
+    nodes = [f"crc-{c}-{uuid.uuid4().hex[:6]}" for c in "abc"]
+    producer = AIOKafkaProducer(bootstrap_servers=bootstrap, acks="all")
+    await producer.start()
+    try:
+        offsets = [(await producer.send_and_wait(raw, kmsg(n, XID.format(bus="4e", code=79, text="GPU has fallen "
+                                                                          "off the bus."), time.time()),
+                                                 key=n.encode(), partition=0)).offset for n in nodes]
+    finally:
+        await producer.stop()
+    _corrupt_on_disk(Path(cluster.root), raw, nodes[1].encode())
+
+    stage = ParseStage(bootstrap, f"crc-{uuid.uuid4().hex[:6]}", topics=topics,
+                       settings=ParseSettings(poll_timeout_ms=50), input_topics=[raw])
+    task = asyncio.ensure_future(stage.run())
+    events: list[dict] = []
+    letters: list[dict] = []
+    reader = kafka_clients.consumer(topics.name("fault_events"), topics.name("deadletter"), bootstrap=bootstrap,
+                                    auto_offset_reset="earliest")
+    await reader.start()
+    try:
+        deadline = time.monotonic() + 60
+        while not (any(e["node"] == nodes[2] for e in events) and letters):
+            assert not task.done(), task.exception() if task.done() else None
+            assert time.monotonic() < deadline, (events, letters)
+            for tp, records in (await reader.getmany(timeout_ms=200)).items():
+                target = letters if tp.topic == topics.name("deadletter") else events
+                target += [orjson.loads(r.value) for r in records]
+        await asyncio.sleep(1)
+        for tp, records in (await reader.getmany(timeout_ms=200)).items():
+            (letters if tp.topic == topics.name("deadletter") else events).extend(
+                orjson.loads(r.value) for r in records)
+    finally:
+        await reader.stop()
+        stage.stop()
+        await asyncio.wait_for(task, 30)
+    assert {e["node"] for e in events} == {nodes[0], nodes[2]}
+    assert len(letters) == 1, letters
+    letter = letters[0]
+    assert (letter["code"], letter["topic"], letter["partition"], letter["offset"]) == (
+        "undecodable", raw, 0, offsets[1])
+    assert f"{raw}[0] offset {offsets[1]}" in letter["reason"] and "CorruptRecordException" in letter["reason"]
+    assert "SKIPPED" in letter["reason"]
+    logged = [r.getMessage() for r in caplog.records if "undecodable record batch" in r.getMessage()]
+    assert len(logged) == 1, logged
+    print("dead letter reason:", letter["reason"])
