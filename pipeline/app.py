@@ -331,7 +331,10 @@ class ParseService(mode.Service):
         # The stage never raises on input (a record's failure is its dead letter); what is left is a
         # connection-level failure, retried with a growing pause. While it lasts the stage commits
         # nothing, and /healthz says so after ``stall_after_s``.
-        pause = 1.0
+        # A batch it cannot decode is not such a failure: pipeline.undecodable holds or skips it.
+        from pipeline import metrics
+
+        pause, attempt = 1.0, 0
         while not self.should_stop:
             started = asyncio.get_running_loop().time()
             try:
@@ -341,10 +344,15 @@ class ParseService(mode.Service):
                 raise
             except Exception as exc:  # noqa: BLE001 - keep the worker alive; Kafka outages are transient
                 if asyncio.get_running_loop().time() - started > 60:
-                    pause = 1.0  # it ran a while: a new outage, not the same one
-                self.stage.live.note = f"restarting after {type(exc).__name__}"
-                log.exception("parse stage failed; restarting in %.0fs", pause)
+                    pause, attempt = 1.0, 0  # it ran a while: a new outage, not the same one
+                attempt += 1
+                self.stage.live.note = f"restart {attempt} after {type(exc).__name__}, next in {pause:.0f}s"
+                metrics.STAGE_RESTARTS.labels("parse").inc()
+                metrics.STAGE_RESTART_DELAY.labels("parse").set(pause)
+                log.exception("parse stage failed (restart %d, bounded back-off %.0fs of at most 30s); "
+                              "restarting in %.0fs", attempt, pause, pause)
                 await asyncio.sleep(pause)
+                metrics.STAGE_RESTART_DELAY.labels("parse").set(0)
                 pause = min(30.0, pause * 2)
 
     async def on_stop(self) -> None:

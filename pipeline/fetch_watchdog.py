@@ -33,6 +33,14 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
 - an offset is committed only when every offset from the committed one (or that log start) up to
   it was acknowledged.
 
+A record batch it cannot decode (``pipeline.undecodable``: a codec library missing, a corrupt batch)
+would otherwise escape ``getmany`` on every fetch and stop the whole consumer. Its partition is held
+instead: never fetched from again by this process (nothing of it is acknowledged, so nothing is
+committed past it), logged once with topic, partition and offsets, counted in
+``xidflow_held_partitions{stage="aggregate"}`` and made a liveness fault; the other partitions flow.
+The aggregation's input is written by the parse stage alone, so a corrupt batch is held too rather
+than skipped; a worker restarted with the fix reads it from the committed offset.
+
 The watchdog timer heals what is left: a partition whose fetch position stays ahead of delivery,
 with an offset never acknowledged below acknowledged ones, or whose last delivered records are
 neither acknowledged nor being processed, across two checks, is re-read from its committed offset
@@ -42,6 +50,7 @@ no-op, or sends the same incident again (at-least-once), never loses one.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections import Counter
 from collections.abc import AsyncIterator, Iterable
@@ -49,6 +58,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from pipeline import metrics, undecodable
+from pipeline.liveness import LIVENESS, Component
 
 log = logging.getLogger("xidflow.fetch_watchdog")
 
@@ -182,6 +194,15 @@ class GuardedConsumer(faust_aiokafka.Consumer):
     """
 
     source_topics: frozenset[str] = frozenset()
+    _undecodable: undecodable.Undecodable | None = None
+    _live: Component | None = None
+
+    @property
+    def undecodable(self) -> undecodable.Undecodable:
+        """Batches this consumer could not decode, and the partitions it holds for them."""
+        if self._undecodable is None:
+            self._undecodable = undecodable.Undecodable()
+        return self._undecodable
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -192,9 +213,54 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self.seek_fence = SeekFence()
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
-        records = await super()._getmany(active_partitions, timeout)
+        held = self._held_partitions()
+        if held and active_partitions is not None:
+            active_partitions = set(active_partitions) - held
+            if not active_partitions:  # an empty set would mean "every partition" to aiokafka
+                await asyncio.sleep(min(timeout, 1.0))
+                return {}
+        try:
+            records = await super()._getmany(active_partitions, timeout)
+        except Exception as exc:
+            failure = undecodable.locate(exc)
+            if failure is None:
+                raise
+            self._hold(failure)
+            return {}
         self.seek_fence.fetched()
         return records
+
+    def _held_partitions(self) -> set[Any]:
+        """Held partitions still assigned here (one that moved away is its new owner's to meet)."""
+        if self._undecodable is None or not self._undecodable.held:
+            return set()
+        assigned = {(tp.topic, tp.partition): tp for tp in self.assignment()}
+        for key in [k for k in self.undecodable.held if k not in assigned]:
+            failure = self.undecodable.held.pop(key)
+            self._release(failure)
+        return {assigned[k] for k in self.undecodable.held}
+
+    def _hold(self, failure: undecodable.Failure) -> None:
+        topic = metrics.bounded(failure.topic, self.source_topics)
+        text = failure.describe(undecodable.Action.HOLD)
+        if self.undecodable.first_report(failure):
+            log.error("aggregate: %s", text)
+            metrics.UNDECODABLE_BATCHES.labels("aggregate", topic, failure.reason.value).inc()
+        self.undecodable.hold(failure)
+        if self._live is None:
+            app_id = getattr(getattr(getattr(self, "app", None), "conf", None), "id", None) or f"{id(self):x}"
+            self._live = LIVENESS.component(f"aggregate-fetch:{app_id}", stall_after_s=float("inf"))
+        self._live.fault(f"{failure.topic}[{failure.partition}]", text)
+        self._held_gauge(topic)
+
+    def _release(self, failure: undecodable.Failure) -> None:
+        if self._live is not None:
+            self._live.clear(f"{failure.topic}[{failure.partition}]")
+        self._held_gauge(metrics.bounded(failure.topic, self.source_topics))
+
+    def _held_gauge(self, topic: str) -> None:
+        count = sum(1 for t, _ in self.undecodable.held if metrics.bounded(t, self.source_topics) == topic)
+        metrics.HELD_PARTITIONS.labels("aggregate", topic).set(count)
 
     async def getmany(self, timeout: float) -> AsyncIterator[tuple[Any, Any]]:  # noqa: ASYNC109 - Faust's signature
         # Faust iterates one fetched batch while the watchdog (or a rebalance) may seek: what is

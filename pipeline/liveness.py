@@ -8,8 +8,12 @@ stage registers a ``Component`` and reports:
 - ``busy(now)``: it has input waiting (records fetched, or lag behind the end of its partitions);
 - ``progressed(now)``: its position moved (offsets committed or read), or it is idle with nothing to do.
 
-A component is stalled when it has not beaten for ``stall_after_s``, or when it has had input waiting
-and no progress for ``stall_after_s``. The process is live while no component is stalled.
+- ``fault(key, reason)`` / ``clear(key)``: something it cannot get past by itself (a partition held at
+  a record batch it cannot decode, ``pipeline.undecodable``) stalls it at once, whatever else moves.
+
+A component is stalled when it has a fault, when it has not beaten for ``stall_after_s``, or when it
+has had input waiting and no progress for ``stall_after_s``. The process is live while no component
+is stalled.
 """
 
 from __future__ import annotations
@@ -27,6 +31,14 @@ class Component:
     last_progress: float
     backlog: bool = False
     note: str = ""
+    faults: dict[str, str] = field(default_factory=dict)
+
+    def fault(self, key: str, reason: str) -> None:
+        """Stalled until ``clear(key)``: a condition only an operator fixes (the reason says what to do)."""
+        self.faults[key] = reason
+
+    def clear(self, key: str) -> None:
+        self.faults.pop(key, None)
 
     def beat(self, now: float | None = None) -> None:
         self.last_beat = time.monotonic() if now is None else now
@@ -48,6 +60,8 @@ class Component:
 
     def stalled(self, now: float) -> str | None:
         """Why this component is stalled, or None."""
+        if self.faults:
+            return f"{self.name}: " + "; ".join(self.faults.values())
         if now - self.last_beat > self.stall_after_s:
             return f"{self.name}: loop has not run for {now - self.last_beat:.0f}s"
         if self.backlog and now - self.last_progress > self.stall_after_s:

@@ -74,6 +74,27 @@ OUTPUTS_LOST = Counter(
 )
 INCIDENTS = Counter("xidflow_incidents_total", "Node incidents opened or escalated", ["action"], registry=None)
 RECOVERIES = Counter("xidflow_recoveries_total", "NodeRecovered records emitted", ["reason"], registry=None)
+UNDECODABLE_BATCHES = Counter(
+    "xidflow_undecodable_batches_total",
+    "Record batches a consumer could not decode, each counted once (reason: unsupported_codec, held; corrupt, "
+    "skipped with a dead letter naming its offsets); see pipeline/undecodable.py",
+    ["stage", "topic", "reason"], registry=None,
+)
+HELD_PARTITIONS = Gauge(
+    "xidflow_held_partitions",
+    "Partitions paused at a record batch this process cannot decode (its codec library is missing): "
+    "nothing of them is read until the worker runs with the library",
+    ["stage", "topic"], registry=None,
+)
+STAGE_RESTARTS = Counter(
+    "xidflow_stage_restarts_total", "Restarts of a worker stage after a failure (connection, broker)",
+    ["stage"], registry=None,
+)
+STAGE_RESTART_DELAY = Gauge(
+    "xidflow_stage_restart_delay_seconds",
+    "The pause before the stage's pending restart (0: running); doubles per failure up to a bound",
+    ["stage"], registry=None,
+)
 E2E_LATENCY = Histogram(
     "xidflow_e2e_latency_seconds", "Time from a line's log timestamp to its incident record",
     buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60), registry=None,
@@ -140,7 +161,8 @@ WORKER, ACTUATOR, PROBE, LOKI_TAIL = "worker", "actuator", "probe", "loki-tail"
 
 COMPONENT_METRICS: dict[str, tuple[MetricWrapperBase, ...]] = {
     WORKER: (LINES_IN, FAULT_EVENTS, DEADLETTERS, OUTPUT_FAILURES, OUTPUTS_LOST, INCIDENTS, RECOVERIES,
-             E2E_LATENCY, CONSUMER_LAG, LAG_REFRESHED),
+             E2E_LATENCY, CONSUMER_LAG, LAG_REFRESHED, UNDECODABLE_BATCHES, HELD_PARTITIONS, STAGE_RESTARTS,
+             STAGE_RESTART_DELAY),
     ACTUATOR: (REMEDIATIONS, BREAKER_OPEN, BREAKER_WINDOW_NODES, BREAKER_WINDOW_SHARE, BREAKER_MAX_SHARE,
                GPU_NODES, QUARANTINED_NODES, FLOW_STEP_AGE, FLOW_STEP_TIMEOUT, FLOW_STEPS_OPEN,
                NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED, ACTUATOR_DEADLETTERS),
@@ -168,7 +190,14 @@ def bounded(value: str, allowed: Collection[str]) -> str:
 
 def worker_label_values(raw_topics: Iterable[str]) -> dict[MetricWrapperBase, list[tuple[str, ...]]]:
     """Every known label combination of the worker's counters (pure)."""
+    from pipeline.undecodable import Reason
+
+    topics = list(dict.fromkeys(raw_topics))
     return {
+        UNDECODABLE_BATCHES: [("parse", t, r.value) for t in topics for r in Reason],
+        HELD_PARTITIONS: [("parse", t) for t in topics],
+        STAGE_RESTARTS: [("parse",)],
+        STAGE_RESTART_DELAY: [("parse",)],
         LINES_IN: [(t,) for t in dict.fromkeys(raw_topics)],
         FAULT_EVENTS: [(k.value,) for k in FaultKind],
         DEADLETTERS: deadletter_label_values(*WORKER_DEADLETTER_STAGES),

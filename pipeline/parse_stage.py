@@ -19,7 +19,9 @@ aiokafka's batch API (``getmany``) and does per record only what it must:
    the first lines of a multi-line message keeps the commit of that record's partition behind it,
    so a crash replays those lines instead of losing the fault.
 
-The stage never dies on input: every per-record failure becomes a dead letter with a reason.
+The stage never dies on input: every per-record failure becomes a dead letter with a reason. A record
+batch the consumer cannot decode (a codec library missing, a corrupt batch) does not restart it either:
+its partition is held or skipped with a dead-letter marker, once, loudly (``pipeline.undecodable``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import collections
+import dataclasses
 import itertools
 import logging
 import operator
@@ -49,7 +52,7 @@ from aiokafka.errors import (
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients, metrics
+from pipeline import kafka_clients, metrics, undecodable
 from pipeline.bounds import DEFAULT_MAX_DEAD_LETTERS, DEFAULT_MAX_LINE_CHARS, cap_dead_letters, clip_record
 from pipeline.catalog import Catalog
 from pipeline.deadletter_log import DeadLetterReporter
@@ -548,6 +551,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
         self.stage.assigned = set(assigned)
+        self.stage.release_held()
         # Commit positions of partitions owned before are not ours to move any more.
         for tp in [tp for tp in self.stage._ends if tp not in self.stage.assigned]:
             del self.stage._ends[tp]
@@ -594,6 +598,7 @@ class ParseStage:
         self._ends: dict[TopicPartition, int] = {}  # end of the last processed batch per partition
         self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
         self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
+        self.undecodable = undecodable.Undecodable()
 
     def stop(self) -> None:
         self._stopping.set()
@@ -626,13 +631,21 @@ class ParseStage:
             linger_ms=s.linger_ms,
         )
         await producer.start()
+        self.release_held()  # a new consumer: nothing is paused
         try:
             await consumer.start()
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
             try:
                 while not self._stopping.is_set():
                     self.live.beat()
-                    batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
+                    try:
+                        batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
+                    except Exception as exc:
+                        failure = undecodable.locate(exc)
+                        if failure is None:
+                            raise  # not a batch: the connection or the broker (the host restarts the stage)
+                        await self._undecodable(consumer, producer, failure)
+                        continue
                     if batches:
                         await _let_fetcher_run()
                     await self._handle(consumer, producer, batches)
@@ -700,6 +713,81 @@ class ParseStage:
         await self._settle(consumer, producer, outputs, ends)
         c.last_batch_at = time.monotonic()
         c.last_batch_cpu = time.process_time()
+
+    async def _undecodable(
+        self, consumer: AIOKafkaConsumer, producer: AIOKafkaProducer, failure: undecodable.Failure
+    ) -> None:
+        """A batch of one partition could not be decoded: read up to it, then hold it or skip it.
+
+        aiokafka delivered none of that partition's fetch, not even the good records before the batch:
+        they are read first, ``max_records`` stopping right before the batch. Other partitions' records
+        stay buffered in the consumer for the next ``getmany``.
+        """
+        tp = TopicPartition(failure.topic, failure.partition)
+        s = self.settings
+        for _ in range(APPROACH_ROUNDS):
+            self.live.beat()
+            if tp not in consumer.assignment():
+                return  # moved away meanwhile: its new owner meets the batch
+            position = await consumer.position(tp)
+            action = self.undecodable.decide(failure, position)
+            if action is not undecodable.Action.APPROACH:
+                break
+            consumer.seek(tp, position)  # drop the half-read fetch: fetch again from the position
+            try:
+                got = await consumer.getmany(tp, timeout_ms=s.poll_timeout_ms,
+                                             max_records=min(failure.first_offset - position, s.max_records))
+            except Exception as exc:
+                again = undecodable.locate(exc)
+                if again is None:
+                    raise
+                # Offsets before the batch are not all records (a control batch, compaction): the batch
+                # cannot be told apart from what precedes it; treat it as starting at the position.
+                failure = dataclasses.replace(again, first_offset=min(position, again.first_offset))
+                continue
+            if got.get(tp):
+                await self._handle(consumer, producer, {tp: got[tp]})
+        else:
+            return  # not there yet: the next getmany meets the batch again
+        if action is undecodable.Action.RETRY:
+            log.debug("undecodable batch at %s[%d]@%s: fetching it once more", tp.topic, tp.partition, failure.offsets)
+            consumer.seek(tp, position)
+            return
+        first = self.undecodable.first_report(failure)
+        text = failure.describe(action)
+        topic_label = metrics.bounded(tp.topic, self.input_topics)
+        if first:
+            log.error("parse: %s", text)
+            metrics.UNDECODABLE_BATCHES.labels(STAGE, topic_label, failure.reason.value).inc()
+        if action is undecodable.Action.HOLD:
+            consumer.pause(tp)
+            self.undecodable.hold(failure)
+            self.live.fault(f"{tp.topic}[{tp.partition}]", text)
+            self._held_gauges()
+            return
+        # SKIP: the marker first, durable, then the commit past the batch, then read on after it.
+        resume = self.undecodable.resume_after(failure)
+        letter = DeadLetter.of(STAGE, text, None, DeadLetterCode.UNDECODABLE, topic=tp.topic,
+                               partition=tp.partition, offset=failure.first_offset)
+        await self.drain()  # commits stay in order
+        await (await producer.send(self.dead_topic, letter.to_bytes()))
+        metrics.DEADLETTERS.labels(STAGE, DeadLetterCode.UNDECODABLE.value).inc()
+        self.counters.dead_letters += 1
+        self._ends[tp] = resume
+        await self._commit(consumer, {tp: resume})
+        consumer.seek(tp, resume)
+
+    def release_held(self) -> None:
+        """Partitions are assigned anew (rebalance, restart): nothing is paused any more; a held batch
+        is met again, held again, and not logged again."""
+        for failure in self.undecodable.release_all():
+            self.live.clear(f"{failure.topic}[{failure.partition}]")
+        self._held_gauges()
+
+    def _held_gauges(self) -> None:
+        per_topic = collections.Counter(metrics.bounded(t, self.input_topics) for t, _ in self.undecodable.held)
+        for topic in dict.fromkeys([*self.input_topics, *per_topic]):
+            metrics.HELD_PARTITIONS.labels(STAGE, topic).set(per_topic.get(topic, 0))
 
     async def _settle(
         self,
@@ -854,6 +942,11 @@ class ParseStage:
             self.counters.commit_failures += 1
             log.warning("parse commit failed (%s); records will be replayed by the partition owner", exc)
             return False
+
+
+APPROACH_ROUNDS = 50
+"""Fetches of the good records before an undecodable batch, at most, before the stage goes on (and meets
+the batch again at the next ``getmany``)."""
 
 
 async def _let_fetcher_run() -> None:

@@ -341,6 +341,7 @@ class DeadLetterCode(StrEnum):
     PARSE_ERROR = "parse_error"
     OUTPUT_FAILED = "output_failed"
     MORE_PROBLEMS = "more_problems"
+    UNDECODABLE = "undecodable"  # a record batch no client can decode (corrupt): the marker names its offsets
     OTHER = "other"
 
 

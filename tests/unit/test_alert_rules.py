@@ -22,6 +22,7 @@ CHART = ROOT / "deploy" / "helm" / "xidflow"
 REQUIRED_ALERTS = {
     "XidflowBreakerOpen", "XidflowRemediationFailures", "XidflowFlowStuckPastTimeout", "XidflowConsumerLagGrowing",
     "XidflowDeadLettersRising", "XidflowDetectionLatencyHigh", "XidflowWorkerAbsent", "XidflowActuatorAbsent",
+    "XidflowPartitionHeldUndecodable", "XidflowUndecodableBatchSkipped",
 }
 
 
