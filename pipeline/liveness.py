@@ -9,11 +9,13 @@ stage registers a ``Component`` and reports:
 - ``progressed(now)``: its position moved (offsets committed or read), or it is idle with nothing to do.
 
 - ``fault(key, reason)`` / ``clear(key)``: something it cannot get past by itself (a partition held at
-  a record batch it cannot decode, ``pipeline.undecodable``) stalls it at once, whatever else moves.
+  a record batch it cannot decode, ``pipeline.undecodable``) makes it unhealthy at once, whatever else moves.
 
-A component is stalled when it has a fault, when it has not beaten for ``stall_after_s``, or when it
-has had input waiting and no progress for ``stall_after_s``. The process is live while no component
-is stalled.
+A component is stalled when it has not beaten for ``stall_after_s``, or when it has had input waiting
+and no progress for ``stall_after_s``: a restart can help, so ``/livez`` (the liveness probe) is red.
+A fault is not a stall: a restart cannot install a codec library, and restarting would stop the
+partitions that still flow, so a fault turns only ``/healthz`` red (the readiness probe: the pod shows
+not ready, the alert fires) and ``/livez`` stays green while the process otherwise progresses.
 """
 
 from __future__ import annotations
@@ -58,9 +60,9 @@ class Component:
             self.backlog = False
         self.note = ""
 
-    def stalled(self, now: float) -> str | None:
-        """Why this component is stalled, or None."""
-        if self.faults:
+    def stalled(self, now: float, faults: bool = True) -> str | None:
+        """Why this component is stalled (or, with ``faults``, also unhealthy), or None."""
+        if faults and self.faults:
             return f"{self.name}: " + "; ".join(self.faults.values())
         if now - self.last_beat > self.stall_after_s:
             return f"{self.name}: loop has not run for {now - self.last_beat:.0f}s"
@@ -87,11 +89,11 @@ class Liveness:
         with self._lock:
             self.components.pop(name, None)
 
-    def check(self, now: float | None = None) -> tuple[bool, list[str]]:
-        """(live, reasons); reasons name every stalled component."""
+    def check(self, now: float | None = None, faults: bool = True) -> tuple[bool, list[str]]:
+        """(ok, reasons); reasons name every stalled component, and with ``faults`` every faulted one."""
         now = time.monotonic() if now is None else now
         with self._lock:
-            reasons = [r for c in self.components.values() if (r := c.stalled(now))]
+            reasons = [r for c in self.components.values() if (r := c.stalled(now, faults))]
         return not reasons, reasons
 
 

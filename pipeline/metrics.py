@@ -291,9 +291,11 @@ def serve_metrics(port: int | None = None, component: str | None = None,
 
 
 def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
-    """``/healthz``: the process's liveness; anything else: the Prometheus exposition of its registry."""
-    if environ.get("PATH_INFO") in ("/healthz", "/livez"):
-        live, reasons = LIVENESS.check()
+    """``/livez``: stalls only (a restart can help); ``/healthz``: stalls and faults an operator must fix
+    (``pipeline.liveness``); anything else: the Prometheus exposition of its registry."""
+    path = environ.get("PATH_INFO")
+    if path in ("/healthz", "/livez"):
+        live, reasons = LIVENESS.check(faults=path == "/healthz")
         body = ("ok\n" if live else "stalled: " + "; ".join(reasons) + "\n").encode()
         start_response("200 OK" if live else "503 Service Unavailable",
                        [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body)))])

@@ -52,3 +52,15 @@ def test_healthz_is_served_next_to_the_metrics() -> None:
     finally:
         LIVENESS.remove("unit-test-stage")
     assert get("/healthz")[0].startswith("200")
+
+
+def test_a_fault_makes_the_process_unhealthy_but_not_a_restart_candidate() -> None:
+    """A partition held at an undecodable batch: /healthz red, /livez green (a restart cannot fix it)."""
+    registry = Liveness()
+    stage = registry.component("parse", stall_after_s=30, now=0.0)
+    why = "undecodable record batch at t[0] offset 4-9: lz4 library missing"
+    stage.fault("t[0]", why)
+    assert registry.check(now=1.0) == (False, [f"parse: {why}"])
+    assert registry.check(now=1.0, faults=False) == (True, [])
+    stage.clear("t[0]")
+    assert registry.check(now=1.0) == (True, [])
