@@ -10,8 +10,9 @@ STAMP  := $(VENV)/.installed
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	@# setuptools' note about editable installs is a warning for package authors, not a newcomer's business.
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
 	touch $(STAMP)
 
 setup: $(STAMP)
