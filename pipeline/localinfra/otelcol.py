@@ -47,7 +47,7 @@ BUILDER = "go.opentelemetry.io/collector/cmd/builder"
 CORE = "go.opentelemetry.io/collector/otelcol"
 
 # The components the shipped configuration (deploy/otel-collector/) uses; a user's OTELCOL_BIN must have them.
-REQUIRED_COMPONENTS = ("filelog", "resource", "batch", "kafka", "file_storage")
+REQUIRED_COMPONENTS = ("file_log", "resource", "batch", "kafka", "file_storage")
 
 PROGRESS_EVERY_S = 10.0
 

@@ -21,7 +21,7 @@ FLUENT_BIT = ROOT / "deploy" / "fluent-bit" / "fluent-bit.yaml"
 
 # Component type (as in a configuration) -> the manifest module that provides it.
 PROVIDED_BY = {
-    "filelog": "github.com/open-telemetry/opentelemetry-collector-contrib/receiver/filelogreceiver",
+    "file_log": "github.com/open-telemetry/opentelemetry-collector-contrib/receiver/filelogreceiver",
     "resource": "github.com/open-telemetry/opentelemetry-collector-contrib/processor/resourceprocessor",
     "batch": "go.opentelemetry.io/collector/processor/batchprocessor",
     "kafka": "github.com/open-telemetry/opentelemetry-collector-contrib/exporter/kafkaexporter",
@@ -47,7 +47,7 @@ def test_the_prefilter_is_fluent_bits_keep_list(config: dict) -> None:
     fluent_bit = yaml.safe_load(FLUENT_BIT.read_text())
     grep = next(f for f in fluent_bit["pipeline"]["filters"] if f["name"] == "grep" and f["match"] == "kernel")
     keep = grep["regex"].partition(" ")[2]
-    (operator,) = config["receivers"]["filelog/kernel"]["operators"]
+    (operator,) = config["receivers"]["file_log/kernel"]["operators"]
     assert operator["type"] == "filter"
     m = re.fullmatch(r'body not matches "(.*)"', operator["expr"])
     assert m and m.group(1) == keep
