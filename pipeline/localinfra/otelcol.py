@@ -144,7 +144,8 @@ def _generate(go: str, version: str, dist: Path, log: Log, *, get_modules: bool)
            "--skip-compilation"]
     if not get_modules:
         cmd.append("--skip-get-modules")
-    env = dict(os.environ, CGO_ENABLED="0")  # the builder's own `go mod tidy` may need to resolve
+    # The builder makes a default output folder in $TMPDIR even when told another: keep it in ours.
+    env = dict(os.environ, CGO_ENABLED="0", TMPDIR=str(dist.parent))
     _run_progress(cmd, dist.parent, f"generating the collector's sources with the builder {version}", log, env)
 
 
