@@ -22,10 +22,11 @@ setup: $(STAMP)
 infra: setup
 	$(VENV)/bin/xidflow local install --loki --fluent-bit
 
-# What the tests need besides: Debian's rsyslog + omkafka (the rsyslog shipper tests) and promtool (package
-# prometheus; the alerting-rule tests), installed when missing (root + apt-get), else one sentence naming them.
+# What the tests need besides: the OpenTelemetry Collector (built from Go modules, cached), Debian's rsyslog +
+# omkafka (the rsyslog shipper tests) and promtool (package prometheus; the alerting-rule tests), installed when
+# missing (root + apt-get), else one sentence naming them.
 test-infra: infra
-	$(VENV)/bin/xidflow local install --no-loki --rsyslog --promtool
+	$(VENV)/bin/xidflow local install --no-loki --rsyslog --promtool --otelcol
 
 demo: infra
 	$(VENV)/bin/xidflow demo

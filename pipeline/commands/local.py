@@ -52,7 +52,10 @@ def local() -> None:
               help="Also build Fluent Bit from the vendored source (or check $FLUENT_BIT_BIN), cached by version.")
 @click.option("--promtool/--no-promtool", default=False, show_default=True,
               help="Also install promtool (Debian's prometheus package, apt-get; root) for the alerting-rule tests.")
-def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool) -> None:
+@click.option("--otelcol/--no-otelcol", default=False, show_default=True,
+              help="Also build the OpenTelemetry Collector (collector builder + Go; minutes on a cold cache, "
+                   "then cached), or check $OTELCOL_BIN.")
+def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, otelcol: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         steps = install_steps()
@@ -66,6 +69,11 @@ def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool) -> None
             from pipeline.localinfra.fluentbit import VERSION, ensure_fluent_bit
 
             steps.append(InstallStep(f"Fluent Bit {VERSION} (CMake build of the vendored source)", ensure_fluent_bit))
+        if otelcol:
+            from pipeline.localinfra.otelcol import ensure_otelcol, otelcol_version
+
+            steps.append(InstallStep(f"OpenTelemetry Collector {otelcol_version()} (collector builder, Go build)",
+                                     ensure_otelcol))
         _log(f"installed in {run_steps(steps, err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")

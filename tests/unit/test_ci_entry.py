@@ -30,6 +30,6 @@ def test_ci_installs_nothing_of_its_own() -> None:
 def test_make_test_installs_every_real_part_the_tests_run() -> None:
     """Each real program the tests start is installed by `make test`'s own targets."""
     recipe = "\n".join(line for line in MAKEFILE.splitlines() if "xidflow local install" in line)
-    for flag in ("--loki", "--fluent-bit", "--rsyslog", "--promtool"):
+    for flag in ("--loki", "--fluent-bit", "--otelcol", "--rsyslog", "--promtool"):
         assert flag in recipe, f"`make test` does not install {flag[2:]}"
     assert re.search(r"^test: .*test-infra", MAKEFILE, re.M)

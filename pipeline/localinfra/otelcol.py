@@ -1,0 +1,232 @@
+"""A real OpenTelemetry Collector for the shipper tests: built once with the collector builder, cached by version.
+
+What the collector contains is ``otelbuild/manifest.yaml`` (the contrib filelog receiver, the resource and
+batch processors, the Kafka exporter, the file_storage extension); ``otelbuild/go.mod`` and ``go.sum`` are
+the collector builder's own resolution of that manifest (``go mod tidy`` on its generated sources), kept in
+the repository so every build compiles exactly the same module versions, checked against ``go.sum``.
+
+``ensure_otelcol`` returns ``<cache>/otelcol/<version>-<hash of the three files>/otelcol``, building it when
+missing (one build at a time, under a lock, like Loki's):
+
+1. the builder (``go run go.opentelemetry.io/collector/cmd/builder@<version>``, the version of the pinned
+   core) generates the distribution's sources from the manifest (``--skip-get-modules --skip-compilation``);
+2. the pinned ``go.mod``/``go.sum`` replace the generated ``go.mod``;
+3. ``go build -mod=readonly -trimpath -ldflags='-s -w'`` with ``CGO_ENABLED=0`` (the builder's own defaults)
+   compiles it; a module missing from ``go.sum`` fails the build instead of being resolved anew.
+
+A cold build (modules downloaded, nothing in Go's build cache) takes minutes on 2 cores; progress (elapsed
+time and packages compiled) is logged every ``PROGRESS_EVERY_S``. ``OTELCOL_BIN`` names a user's own
+collector instead (it must have the components the manifest names).
+
+After changing a version in the manifest, ``python -m pipeline.localinfra.otelcol --regenerate`` runs the
+builder with its module step and writes the new ``go.mod``/``go.sum`` beside the manifest.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root
+
+HERE = Path(__file__).parent
+OTELBUILD = HERE / "otelbuild"
+MANIFEST = OTELBUILD / "manifest.yaml"
+OTEL_GOMOD = OTELBUILD / "go.mod"
+OTEL_GOSUM = OTELBUILD / "go.sum"
+BUILDER = "go.opentelemetry.io/collector/cmd/builder"
+CORE = "go.opentelemetry.io/collector/otelcol"
+
+# The components the shipped configuration (deploy/otel-collector/) uses; a user's OTELCOL_BIN must have them.
+REQUIRED_COMPONENTS = ("file_log", "resource", "batch", "kafka", "file_storage")
+
+PROGRESS_EVERY_S = 10.0
+
+
+def otelcol_version() -> str:
+    """The collector core version pinned in ``otelbuild/go.mod`` (``vX.Y.Z``); the builder runs at it too."""
+    m = re.search(rf"^\s*(?:require\s+)?{re.escape(CORE)} (v\S+)", OTEL_GOMOD.read_text(), re.M)
+    if not m:
+        raise InstallError(f"{OTEL_GOMOD}: no '{CORE} vX.Y.Z' requirement")
+    return m.group(1)
+
+
+def manifest_modules() -> dict[str, str]:
+    """``{module path: version}`` of every component and provider the manifest names."""
+    doc = yaml.safe_load(MANIFEST.read_text())
+    out: dict[str, str] = {}
+    for kind in ("receivers", "processors", "exporters", "extensions", "connectors", "providers", "converters"):
+        for item in doc.get(kind) or []:
+            path, _, version = str(item["gomod"]).strip().partition(" ")
+            out[path] = version.strip()
+    return out
+
+
+def check_pins() -> None:
+    """Every module the manifest names is required at the same version by the pinned ``go.mod``."""
+    gomod = OTEL_GOMOD.read_text()
+    wrong = [
+        f"{path} {version}"
+        for path, version in manifest_modules().items()
+        if not re.search(rf"^\s*(?:require\s+)?{re.escape(path)} {re.escape(version)}(?:\s|$)", gomod, re.M)
+    ]
+    builder = _builder_version_from_manifest()
+    if otelcol_version() != builder:
+        wrong.append(f"{CORE} {builder} (go.mod has {otelcol_version()})")
+    if wrong:
+        raise InstallError(
+            f"{OTEL_GOMOD} does not pin what {MANIFEST.name} names ({', '.join(wrong)}); run "
+            "`python -m pipeline.localinfra.otelcol --regenerate` and commit go.mod/go.sum")
+
+
+def otelcol_target() -> Path:
+    """Where the binary of the pinned build lives (whether or not it is built yet)."""
+    digest = _digest(MANIFEST, OTEL_GOMOD, OTEL_GOSUM)
+    return cache_root() / "otelcol" / f"{otelcol_version()}-{digest}" / "otelcol"
+
+
+def otelcol_installed() -> bool:
+    binary = otelcol_target()
+    return (binary.parent / ".complete").exists() and binary.exists()
+
+
+def ensure_otelcol(log: Log = print) -> Path:
+    """The collector to run: ``$OTELCOL_BIN``, the cached build, or a new build (see the module doc)."""
+    explicit = os.environ.get("OTELCOL_BIN")
+    if explicit:
+        return _checked_user_binary(Path(explicit))
+    binary = otelcol_target()
+    if otelcol_installed():
+        return binary
+    check_pins()
+    go = _need("go", "install Go >= 1.25 (https://go.dev/dl or your distribution)")
+    target = binary.parent
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # One build at a time: a second caller (another test session, `local install`) waits for the first.
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if otelcol_installed():
+            return binary
+        return _build(go, _builder_version_from_manifest(), binary, log)
+
+
+def _checked_user_binary(path: Path) -> Path:
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise InstallError(f"OTELCOL_BIN={path} is not an executable file")
+    proc = subprocess.run([str(path), "components"], capture_output=True, text=True, timeout=60)
+    missing = [c for c in REQUIRED_COMPONENTS if not re.search(rf"\bname: {re.escape(c)}\b", proc.stdout)]
+    if proc.returncode != 0 or missing:
+        raise InstallError(f"OTELCOL_BIN={path} lacks components {missing or REQUIRED_COMPONENTS} "
+                           f"(`{path.name} components`: {(proc.stdout + proc.stderr).strip()[:300]})")
+    return path
+
+
+def _go_env() -> dict[str, str]:
+    flags = os.environ.get("GOFLAGS", "")
+    flags = " ".join(f for f in flags.split() if not f.startswith("-mod="))
+    return dict(os.environ, CGO_ENABLED="0", GOFLAGS=f"{flags} -mod=readonly".strip())
+
+
+def _generate(go: str, version: str, dist: Path, log: Log, *, get_modules: bool) -> None:
+    """The builder writes the distribution's sources (and, with ``get_modules``, its tidy go.mod/go.sum)."""
+    manifest = dist.parent / "manifest.yaml"
+    shutil.copy(MANIFEST, manifest)
+    cmd = [go, "run", f"{BUILDER}@{version}", f"--config={manifest}", f"--output-path={dist}",
+           "--skip-compilation"]
+    if not get_modules:
+        cmd.append("--skip-get-modules")
+    # The builder makes a default output folder in $TMPDIR even when told another: keep it in ours.
+    env = dict(os.environ, CGO_ENABLED="0", TMPDIR=str(dist.parent))
+    _run_progress(cmd, dist.parent, f"generating the collector's sources with the builder {version}", log, env)
+
+
+def _build(go: str, version: str, binary: Path, log: Log) -> Path:
+    target = binary.parent
+    tmp = Path(tempfile.mkdtemp(prefix="xidflow-otelbuild-"))
+    staging = target.with_name(target.name + f".partial-{os.getpid()}")
+    try:
+        dist = tmp / "dist"
+        _generate(go, version, dist, log, get_modules=False)
+        shutil.copy(OTEL_GOMOD, dist / "go.mod")
+        shutil.copy(OTEL_GOSUM, dist / "go.sum")
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+        _run_progress(
+            [go, "build", "-v", "-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."],
+            dist, f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
+            _go_env(),
+        )
+        (staging / ".complete").write_text(version)
+        if otelcol_installed():  # another process won the race
+            return binary
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        log(f"OpenTelemetry Collector {version} installed in {target}")
+        return binary
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def _run_progress(cmd: list[str], cwd: Path, what: str, log: Log, env: dict[str, str]) -> None:
+    """Run ``cmd``; every ``PROGRESS_EVERY_S`` log the elapsed time and how many lines (packages) it printed."""
+    log(f"{what}: {' '.join(cmd[:3])} ... (in {cwd})")
+    t0 = time.monotonic()
+    out = tempfile.TemporaryFile()
+    with out, subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env) as proc:
+        while True:
+            try:
+                rc = proc.wait(timeout=PROGRESS_EVERY_S)
+                break
+            except subprocess.TimeoutExpired:
+                out.seek(0)
+                packages = sum(1 for line in out if line.strip() and not line.startswith(b"go: "))
+                log(f"  ... {time.monotonic() - t0:.0f}s, {packages} packages so far")
+        out.seek(0)
+        text = out.read().decode(errors="replace")
+    if rc != 0:
+        raise InstallError(f"{what} failed (exit {rc}):\n{text[-3000:]}")
+    log(f"  done in {time.monotonic() - t0:.0f}s")
+
+
+def regenerate(log: Log = print) -> None:
+    """Run the builder with its module step and write its go.mod/go.sum beside the manifest."""
+    go = _need("go", "install Go >= 1.25")
+    version = _builder_version_from_manifest()
+    tmp = Path(tempfile.mkdtemp(prefix="xidflow-otelgen-"))
+    try:
+        dist = tmp / "dist"
+        _generate(go, version, dist, log, get_modules=True)
+        for name in ("go.mod", "go.sum"):
+            shutil.copy(dist / name, OTELBUILD / name)
+        log(f"wrote {OTEL_GOMOD} and {OTEL_GOSUM} (builder {version})")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _builder_version_from_manifest() -> str:
+    """The builder runs at the release of the manifest's core components (``go.opentelemetry.io/collector/...``
+    modules at v0.x)."""
+    core = {v for p, v in manifest_modules().items() if p.startswith("go.opentelemetry.io/collector/") and
+            v.startswith("v0.")}
+    if len(core) != 1:
+        raise InstallError(f"{MANIFEST}: the core components' v0 versions disagree or are missing: {sorted(core)}")
+    return core.pop()
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["--regenerate"]:
+        regenerate()
+    elif not sys.argv[1:]:
+        print(ensure_otelcol())
+    else:
+        sys.exit("usage: python -m pipeline.localinfra.otelcol [--regenerate]")
