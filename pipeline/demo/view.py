@@ -293,8 +293,8 @@ def report(verdicts: Sequence[Any]) -> Lines:
         with_why = render_table([*_REPORT_COLUMNS, "why"], [[*r, reasons[i] or ""] for i, r in enumerate(rows)])
         if _width(with_why.splitlines()) <= width:
             lines = with_why.splitlines()
-            return [_heading(REPORT_TITLE), *_table_text(lines, _style_result(verdicts))]
-        out = [_heading(REPORT_TITLE), *_table_text(table[:1])]
+            return [Text(""), _heading(REPORT_TITLE), *_table_text(lines, _style_result(verdicts))]
+        out = [Text(""), _heading(REPORT_TITLE), *_table_text(table[:1])]
         indent = " " * (_column_start(table[0], "NODE") or 4)
         for i, line in enumerate(table[1:]):
             out.append(Text(line, no_wrap=True, overflow="ignore", style="" if verdicts[i].ok else "red"))
