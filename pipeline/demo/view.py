@@ -263,7 +263,7 @@ def details(snap: Snapshot) -> Lines:
 
     def make(_: int) -> list[Text]:
         lines = wide_table(fleet, FLEET_COLUMNS)
-        out = [_heading(f"{snap.title} (details)"), *_table_text(lines, _style_states(lines[0]))]
+        out = [Text(""), _heading(f"{snap.title} (details)"), *_table_text(lines, _style_states(lines[0]))]
         out += [Text(""), _heading(f"{snap.audit_heading()} (details)")]
         return out + _table_text(wide_table(audit, AUDIT_COLUMNS))
 
