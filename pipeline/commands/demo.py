@@ -22,7 +22,10 @@ from pipeline.localinfra.procs import StartError
               help="Leave the local infrastructure running afterwards (`xidflow local down` stops it).")
 @click.option("--step-timeout", type=float, default=90.0, show_default=True,
               help="Seconds each scenario step may take before it counts as failed.")
-def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float) -> None:
+@click.option("--details", is_flag=True,
+              help="After the run, print the fleet and the audit trail with every column (as kubectl -o wide): "
+                   "what xidflow applied and why, incidents, boot ids, kernel-line paths, last actions, reasons.")
+def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float, details: bool) -> None:
     """Simulate a GPU fleet and watch xidflow find and remediate its faults; exit 0 when all went right."""
     from pipeline.demo.runner import DemoRun
 
@@ -38,7 +41,7 @@ def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float) -> N
             sys.exit(1)
         bootstrap, kubeconfig = endpoints.kafka_bootstrap, endpoints.kubeconfig
     run = DemoRun(bootstrap=bootstrap, kubeconfig=kubeconfig, console=console, nodes=nodes, actuators=actuators,
-                  step_timeout=step_timeout, workdir=Path(default_state_dir()) / "demo")
+                  step_timeout=step_timeout, details=details, workdir=Path(default_state_dir()) / "demo")
     ok = False
     try:
         ok = asyncio.run(run.run())

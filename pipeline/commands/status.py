@@ -172,8 +172,12 @@ def _message_parts(condition: Mapping[str, Any]) -> list[str]:
 
 
 def _fault_of(condition: Mapping[str, Any]) -> str:
+    """``xid 79``, ``sxid 24007``; a fallen-off-the-bus line reads as the Xid it counts as (``xid 79``)."""
     parts = _message_parts(condition)
-    return parts[0] if parts else str(condition.get("reason") or condition.get("type"))
+    if not parts:
+        return str(condition.get("reason") or condition.get("type"))
+    kind, _, code = parts[0].partition(" ")
+    return f"xid {code}" if kind == "gpu_fallen_off_bus" and code else parts[0]
 
 
 def _action_of(condition: Mapping[str, Any]) -> str | None:

@@ -24,13 +24,12 @@ from typing import Any
 import orjson
 from aiokafka import AIOKafkaProducer
 from kubernetes import client, config
-from rich.console import Console, Group
+from rich.console import Console
 from rich.live import Live
-from rich.panel import Panel
-from rich.table import Table
 
 from pipeline import kafka_clients
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
+from pipeline.demo import view
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
 from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEX, STEPS, Emit, Step
 from pipeline.kafka_admin import ensure_topics
@@ -72,6 +71,8 @@ class DemoRun:
     loki_org_id: str | None = None
     loki_server: LokiServer | None = None
     loki_lines: int = 0
+    details: bool = False  # after the run, the fleet and the audit trail with every column (-o wide)
+    last_states: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = client.Configuration()
@@ -232,33 +233,22 @@ class DemoRun:
                 "owned": LEDGER_ANNOTATION in ann,
                 "reboot": REBOOT_REQUEST_ANNOTATION in ann,
                 "boot": (n.status.node_info.boot_id if n.status.node_info else "")[:8],
+                "object": self.api.sanitize_for_serialization(n),  # what the screen shows (pipeline.demo.view)
             }
         return out
 
-    def render(self, states: dict[str, dict[str, Any]]) -> Group:
-        table = Table(title=f"GPU fleet (demo {self.run_id}) - {self.phase}", expand=True)
-        for col in ("node", "state", "xidflow taints", "conditions", "boot", "kernel lines via", "last action"):
-            table.add_column(col, overflow="fold")
-        for name in self.fleet.nodes + self.fleet.standby:
-            s = states.get(name)
-            if not s:
-                continue
-            if s["unschedulable"]:
-                state = "[yellow]standby (cordoned)[/]" if s["standby"] and not s["owned"] else "[red]QUARANTINED[/]"
-            else:
-                state = "[cyan]standby, in service[/]" if s["standby"] else "[green]in service[/]"
-            if s["reboot"]:
-                state += " [magenta]reboot requested[/]"
-            via = "Loki -> loki-tail -> Kafka" if name == self.loki_node else "Fluent Bit -> Kafka"
-            table.add_row(name, state, ", ".join(s["taints"]) or "-", ", ".join(s["conditions"]) or "-", s["boot"],
-                          via, s["last"][:60] or "-")
-        audit = Table(title=f"audit trail ({self.audit_count} records on {self.topics.name('remediation_audit')})",
-                      expand=True)
-        for col in ("node", "action", "outcome", "reason"):
-            audit.add_column(col, overflow="fold")
-        for rec in list(self.audit)[-10:]:
-            audit.add_row(rec.node, rec.action, rec.outcome.value, rec.reason[:80])
-        return Group(table, audit)
+    def snapshot(self, states: dict[str, dict[str, Any]]) -> view.Snapshot:
+        via = {name: "Loki -> loki-tail -> Kafka" if name == self.loki_node else "Fluent Bit -> Kafka"
+               for name in self.fleet.nodes + self.fleet.standby}
+        return view.Snapshot(
+            title=f"GPU fleet, demo {self.run_id}: {self.phase}",
+            nodes=[s["object"] for s in states.values() if "object" in s], standby_label=STANDBY_LABEL,
+            order=self.fleet.nodes + self.fleet.standby, kernel_paths=via, audit=list(self.audit),
+            audit_count=self.audit_count, audit_topic=self.topics.name("remediation_audit"))
+
+    def render(self, states: dict[str, dict[str, Any]]) -> view.Lines:
+        self.last_states = states
+        return view.live_view(self.snapshot(states))
 
     # -- the scenario -----------------------------------------------------------------------------
     async def wait_for(self, live: Live, cond, within: float) -> tuple[bool, dict]:  # noqa: ANN001
@@ -359,26 +349,13 @@ class DemoRun:
             await asyncio.sleep(1)
 
     def summary(self) -> bool:
-        table = Table(title="What happened and why")
-        for col in ("step", "node", "expected", "observed", "", "why"):
-            table.add_column(col, overflow="fold")
-        last_step = None
-        for v in self.verdicts:
-            first = v.step != last_step
-            last_step = v.step
-            table.add_row(v.step if first else "", v.node, v.expected, v.observed,
-                          "[green]ok[/]" if v.ok else "[red]WRONG[/]", v.why if first else "")
-        self.console.print(table)
-        outcomes: dict[str, int] = {}
-        for rec in self.audit:
-            outcomes[rec.outcome.value] = outcomes.get(rec.outcome.value, 0) + 1
+        if self.details:
+            self.console.print(view.details(self.snapshot(self.last_states)), soft_wrap=True)
+        self.console.print(view.report(self.verdicts))
         ok = all(v.ok for v in self.verdicts)
         self.console.print(f"Konduktor path: {self.loki_lines} kernel lines of {self.loki_node} went through Loki "
                            f"-> xidflow loki-tail -> Kafka")
-        self.console.print(Panel(
-            f"{sum(v.ok for v in self.verdicts)}/{len(self.verdicts)} expectations met; "
-            f"{self.audit_count} audit records on {self.topics.name('remediation_audit')}",
-            title="[green]demo passed[/]" if ok else "[red]demo failed[/]"))
+        self.console.print(view.result_line(self.verdicts, self.audit_count, self.topics.name("remediation_audit")))
         return ok
 
     def cleanup(self) -> None:

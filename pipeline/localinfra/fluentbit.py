@@ -24,10 +24,9 @@ import shutil
 import subprocess
 import tarfile
 import tempfile
-import time
 from pathlib import Path
 
-from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root
+from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root, run_logged
 
 VERSION = "5.1.1"
 
@@ -52,8 +51,6 @@ BUILD_TOOLS = (("cmake", "cmake"), ("make", "make"), ("cc", "build-essential"), 
                ("flex", "flex"), ("bison", "bison"), ("pkg-config", "pkg-config"))
 BUILD_LIBS = (("yaml-0.1", "libyaml-dev"), ("openssl", "libssl-dev"), ("libsystemd", "libsystemd-dev"),
               ("sqlite3", "libsqlite3-dev"))
-
-PROGRESS_EVERY_S = 10.0
 
 
 def vendor_dir() -> Path:
@@ -158,10 +155,11 @@ def _build(tarball: Path, binary: Path, log: Log) -> Path:
         build = source / "build"
         build.mkdir(exist_ok=True)
         cmake = _need("cmake", "install CMake (Debian: apt-get install cmake)")
-        _run_logged([cmake, *CMAKE_OPTIONS, ".."], build, f"configuring Fluent Bit {VERSION} (CMake)", log)
+        run_logged([cmake, *CMAKE_OPTIONS, ".."], build, f"configuring Fluent Bit {VERSION} (CMake)", log,
+                   cached_in=target)
         jobs = str(max(1, os.cpu_count() or 1))
-        _run_logged(["make", f"-j{jobs}", "fluent-bit-bin"], build,
-                    f"building Fluent Bit {VERSION} (make, minutes on a cold build)", log)
+        run_logged(["make", f"-j{jobs}", "fluent-bit-bin"], build,
+                   f"building Fluent Bit {VERSION} (make, minutes on a cold build)", log, meter=cmake_percent)
         staging.mkdir(parents=True)
         shutil.copy2(build / "bin" / "fluent-bit", staging / "fluent-bit")
         (staging / ".complete").write_text(VERSION)
@@ -174,28 +172,10 @@ def _build(tarball: Path, binary: Path, log: Log) -> Path:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-_PERCENT = re.compile(rb"^\[\s*(\d+)%\]")
+_PERCENT = re.compile(r"^\[\s*(\d+)%\]")
 
 
-def _run_logged(cmd: list[str], cwd: Path, what: str, log: Log) -> None:
-    """Run ``cmd``; every ``PROGRESS_EVERY_S`` log the elapsed time and CMake's last ``[ NN%]``; raise on failure."""
-    log(f"{what}: {' '.join(cmd[:2])} ... (in {cwd})")
-    t0 = last_report = time.monotonic()
-    percent: str | None = None
-    tail: list[bytes] = []
-    with subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
-        assert proc.stdout is not None
-        for line in proc.stdout:
-            tail = (tail + [line])[-60:]
-            m = _PERCENT.match(line)
-            if m:
-                percent = m.group(1).decode()
-            now = time.monotonic()
-            if now - last_report >= PROGRESS_EVERY_S:
-                last_report = now
-                log(f"  ... {now - t0:.0f}s" + (f", {percent}% done" if percent else ""))
-        rc = proc.wait()
-    if rc != 0:
-        text = b"".join(tail).decode(errors="replace")[-3000:]
-        raise InstallError(f"{what} failed (exit {rc}):\n{text}")
-    log(f"  {what}: done in {time.monotonic() - t0:.0f}s")
+def cmake_percent(line: str) -> str | None:
+    """The progress of a CMake-generated make: its last ``[ NN%]``."""
+    m = _PERCENT.match(line)
+    return f"{m.group(1)}% done" if m else None

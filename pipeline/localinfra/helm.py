@@ -15,7 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
-from pipeline.localinfra.install import InstallError, Log, _digest, _need, _run, cache_root
+from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root, go_build
 
 HERE = Path(__file__).parent
 HELM_GOMOD = HERE / "helmbuild" / "go.mod"
@@ -53,9 +53,9 @@ def ensure_helm(log: Log = print) -> Path:
         staging.mkdir(parents=True)
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
         ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
-        _run(
-            [go, "build", "-trimpath", f"-ldflags={ldflags}", "-o", str(staging / "helm"), HELM_PACKAGE],
-            tmp, f"building helm {version} with Go (a minute or two on a cold cache)", log, env,
+        go_build(
+            go, ["-trimpath", f"-ldflags={ldflags}", "-o", str(staging / "helm"), HELM_PACKAGE],
+            tmp, f"building helm {version} with Go (a minute or two on a cold cache)", log, env, target,
         )
         (staging / ".complete").write_text(version)
         if (target / ".complete").exists() and binary.exists():  # another process won the race

@@ -5,22 +5,27 @@
 - kube-apiserver and etcd: built by Go from ``gobuild/go.mod`` (published modules only) into
   ``<cache>/controlplane/<k8s-version>-<modhash>/``.
 
-A second start finds the cache and takes seconds. Failures say which tool failed and why.
+A second start finds the cache and takes seconds. Failures say which tool failed and why. A long
+build or resolve says where its result is cached and logs its elapsed time and progress (packages
+built, files downloaded, CMake's percentage) every ``PROGRESS_EVERY_S`` seconds: ``run_logged``.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import queue
 import re
 import shutil
 import subprocess
 import tempfile
+import threading
 import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 HERE = Path(__file__).parent
 POM = HERE / "kafka" / "pom.xml"
@@ -70,12 +75,101 @@ def _need(tool: str, hint: str) -> str:
     return path
 
 
-def _run(cmd: list[str], cwd: Path, what: str, log: Log, env: dict[str, str] | None = None) -> None:
-    log(f"{what}: {' '.join(cmd[:3])} ... (in {cwd})")
-    proc = subprocess.run(cmd, cwd=cwd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stdout + proc.stderr)[-3000:]
-        raise InstallError(f"{what} failed (exit {proc.returncode}):\n{tail}")
+# -- running a long build or resolve, with progress ------------------------------------------------------
+PROGRESS_EVERY_S = 10.0
+"""How often a running install step logs its elapsed time and progress."""
+
+Meter = Callable[[str], str | None]
+"""Reads one line of a child's output; returns what its progress is now ("312 packages"), None: unchanged."""
+
+
+def run_logged(cmd: Sequence[str], cwd: Path, what: str, log: Log, env: dict[str, str] | None = None, *,
+               meter: Meter | None = None, cached_in: Path | None = None, every: float | None = None) -> None:
+    """Run ``cmd`` streaming its output; log the elapsed time and the meter's progress every ``every`` seconds.
+
+    The one runner of every install step (Maven, the Go builds, Fluent Bit's CMake and make). A line
+    says what runs, where, and where the result is cached; a progress line follows every ``every``
+    seconds (``PROGRESS_EVERY_S``) even when the child prints nothing; a last line says how long it
+    took. A failure raises ``InstallError`` with the end of the child's output.
+    """
+    every = PROGRESS_EVERY_S if every is None else every
+    where = f"in {cwd}" + (f"; cached in {cached_in}" if cached_in else "")
+    log(f"{what}: {' '.join(str(c) for c in cmd[:3])} ... ({where})")
+    t0 = time.monotonic()
+    tail: deque[str] = deque(maxlen=60)
+    progress: str | None = None
+    lines: queue.Queue[str | None] = queue.Queue()
+    with subprocess.Popen([str(c) for c in cmd], cwd=cwd, env=env, stdin=subprocess.DEVNULL,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT) as proc:
+        assert proc.stdout is not None
+        threading.Thread(target=_pump, args=(proc.stdout, lines), daemon=True).start()
+        next_report = t0 + every
+        while True:
+            try:
+                line = lines.get(timeout=max(0.0, next_report - time.monotonic()))
+            except queue.Empty:
+                line = ""
+            if line is None:  # the child closed its output
+                break
+            if line:
+                tail.append(line)
+                if meter is not None:
+                    progress = meter(line) or progress
+            now = time.monotonic()
+            if now >= next_report:
+                log(f"  ... {now - t0:.0f}s" + (f", {progress}" if progress else ""))
+                next_report = now + every
+        rc = proc.wait()
+    if rc != 0:
+        text = "\n".join(tail)[-3000:]
+        raise InstallError(f"{what} failed (exit {rc}):\n{text}")
+    log(f"  {what}: done in {time.monotonic() - t0:.0f}s" + (f" ({progress})" if progress else ""))
+
+
+def _pump(stream: IO[bytes], lines: queue.Queue[str | None]) -> None:
+    try:
+        for raw in stream:
+            lines.put(raw.decode(errors="replace").rstrip("\r\n"))
+    finally:
+        lines.put(None)
+
+
+def go_build_meter() -> Meter:
+    """``go build -v`` prints each package as it builds it, ``go: downloading M V`` for each module fetched."""
+    counts = {"modules": 0, "packages": 0}
+
+    def meter(line: str) -> str | None:
+        text = line.strip()
+        if text.startswith("go: downloading "):
+            counts["modules"] += 1
+        elif text and " " not in text and not text.startswith(("#", "go:")):
+            counts["packages"] += 1
+        else:
+            return None
+        parts = [f"{counts['modules']} modules downloaded"] if counts["modules"] else []
+        return ", ".join([*parts, f"{counts['packages']} packages built"])
+
+    return meter
+
+
+def go_build(go: str, args: Sequence[str], cwd: Path, what: str, log: Log, env: dict[str, str],
+             cached_in: Path) -> None:
+    """``go build -v ARGS``, its progress counted in packages built."""
+    run_logged([go, "build", "-v", *args], cwd, what, log, env, meter=go_build_meter(), cached_in=cached_in)
+
+
+def maven_meter() -> Meter:
+    """Maven in batch mode logs ``Downloaded from <repository>: ...`` for each file it fetches."""
+    count = 0
+
+    def meter(line: str) -> str | None:
+        nonlocal count
+        if "Downloaded from " not in line:
+            return None
+        count += 1
+        return f"{count} files downloaded"
+
+    return meter
 
 
 @dataclass(frozen=True)
@@ -102,10 +196,10 @@ def ensure_kafka(log: Log = print) -> KafkaDist:
         shutil.copy(POM, tmp / "pom.xml")
         staging = target.with_name(target.name + ".partial")
         shutil.rmtree(staging, ignore_errors=True)
-        _run(
-            [mvn, "-q", "-B", "dependency:copy-dependencies", f"-DoutputDirectory={staging / 'libs'}",
+        run_logged(
+            [mvn, "-B", "dependency:copy-dependencies", f"-DoutputDirectory={staging / 'libs'}",
              "-DincludeScope=runtime"],
-            tmp, f"resolving Kafka {version} jars with Maven", log,
+            tmp, f"resolving Kafka {version} jars with Maven", log, meter=maven_meter(), cached_in=target,
         )
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
@@ -139,10 +233,10 @@ def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
-        _run(
-            [go, "build", "-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/",
-             "k8s.io/kubernetes/cmd/kube-apiserver", "go.etcd.io/etcd/server/v3"],
-            tmp, f"building kube-apiserver {version} and etcd with Go (minutes on a cold cache)", log, env,
+        go_build(
+            go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", "k8s.io/kubernetes/cmd/kube-apiserver",
+                 "go.etcd.io/etcd/server/v3"],
+            tmp, f"building kube-apiserver {version} and etcd with Go (minutes on a cold cache)", log, env, target,
         )
         (staging / "server").rename(staging / "etcd")
         shutil.rmtree(target, ignore_errors=True)

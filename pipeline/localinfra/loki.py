@@ -27,7 +27,7 @@ from pathlib import Path
 import orjson
 
 from pipeline.localinfra import procs
-from pipeline.localinfra.install import InstallError, Log, _digest, _need, _run, cache_root
+from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root, go_build
 
 HERE = Path(__file__).parent
 LOKI_GOMOD = HERE / "lokibuild" / "go.mod"
@@ -84,10 +84,9 @@ def _build(go: str, version: str, binary: Path, log: Log) -> Path:
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
         build_info = "github.com/grafana/loki/v3/pkg/util/build"
         ldflags = f"-s -w -X {build_info}.Version={version.lstrip('v')} -X {build_info}.Branch=xidflow"
-        _run(
-            [go, "build", "-trimpath", "-tags=netgo", f"-ldflags={ldflags}", "-o", str(staging / "loki"),
-             LOKI_PACKAGE],
-            tmp, f"building Loki {version} with Go (several minutes on a cold cache)", log, env,
+        go_build(
+            go, ["-trimpath", "-tags=netgo", f"-ldflags={ldflags}", "-o", str(staging / "loki"), LOKI_PACKAGE],
+            tmp, f"building Loki {version} with Go (several minutes on a cold cache)", log, env, target,
         )
         (staging / ".complete").write_text(version)
         if loki_installed():  # another process won the race

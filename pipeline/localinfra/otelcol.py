@@ -15,7 +15,7 @@ missing (one build at a time, under a lock, like Loki's):
    compiles it; a module missing from ``go.sum`` fails the build instead of being resolved anew.
 
 A cold build (modules downloaded, nothing in Go's build cache) takes minutes on 2 cores; progress (elapsed
-time and packages compiled) is logged every ``PROGRESS_EVERY_S``. ``OTELCOL_BIN`` names a user's own
+time and packages compiled) is logged every ``install.PROGRESS_EVERY_S``. ``OTELCOL_BIN`` names a user's own
 collector instead (it must have the components the manifest names).
 
 After changing a version in the manifest, ``python -m pipeline.localinfra.otelcol --regenerate`` runs the
@@ -31,12 +31,20 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import yaml
 
-from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root
+from pipeline.localinfra.install import (
+    InstallError,
+    Log,
+    _digest,
+    _need,
+    cache_root,
+    go_build,
+    go_build_meter,
+    run_logged,
+)
 
 HERE = Path(__file__).parent
 OTELBUILD = HERE / "otelbuild"
@@ -49,7 +57,6 @@ CORE = "go.opentelemetry.io/collector/otelcol"
 # The components the shipped configuration (deploy/otel-collector/) uses; a user's OTELCOL_BIN must have them.
 REQUIRED_COMPONENTS = ("file_log", "resource", "batch", "kafka", "file_storage")
 
-PROGRESS_EVERY_S = 10.0
 
 
 def otelcol_version() -> str:
@@ -146,7 +153,8 @@ def _generate(go: str, version: str, dist: Path, log: Log, *, get_modules: bool)
         cmd.append("--skip-get-modules")
     # The builder makes a default output folder in $TMPDIR even when told another: keep it in ours.
     env = dict(os.environ, CGO_ENABLED="0", TMPDIR=str(dist.parent))
-    _run_progress(cmd, dist.parent, f"generating the collector's sources with the builder {version}", log, env)
+    run_logged(cmd, dist.parent, f"generating the collector's sources with the builder {version}", log, env,
+               meter=go_build_meter())
 
 
 def _build(go: str, version: str, binary: Path, log: Log) -> Path:
@@ -160,11 +168,9 @@ def _build(go: str, version: str, binary: Path, log: Log) -> Path:
         shutil.copy(OTEL_GOSUM, dist / "go.sum")
         shutil.rmtree(staging, ignore_errors=True)
         staging.mkdir(parents=True)
-        _run_progress(
-            [go, "build", "-v", "-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."],
-            dist, f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
-            _go_env(),
-        )
+        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."], dist,
+                 f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
+                 _go_env(), cached_in=target)
         (staging / ".complete").write_text(version)
         if otelcol_installed():  # another process won the race
             return binary
@@ -175,27 +181,6 @@ def _build(go: str, version: str, binary: Path, log: Log) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         shutil.rmtree(staging, ignore_errors=True)
-
-
-def _run_progress(cmd: list[str], cwd: Path, what: str, log: Log, env: dict[str, str]) -> None:
-    """Run ``cmd``; every ``PROGRESS_EVERY_S`` log the elapsed time and how many lines (packages) it printed."""
-    log(f"{what}: {' '.join(cmd[:3])} ... (in {cwd})")
-    t0 = time.monotonic()
-    out = tempfile.TemporaryFile()
-    with out, subprocess.Popen(cmd, cwd=cwd, stdout=out, stderr=subprocess.STDOUT, env=env) as proc:
-        while True:
-            try:
-                rc = proc.wait(timeout=PROGRESS_EVERY_S)
-                break
-            except subprocess.TimeoutExpired:
-                out.seek(0)
-                packages = sum(1 for line in out if line.strip() and not line.startswith(b"go: "))
-                log(f"  ... {time.monotonic() - t0:.0f}s, {packages} packages so far")
-        out.seek(0)
-        text = out.read().decode(errors="replace")
-    if rc != 0:
-        raise InstallError(f"{what} failed (exit {rc}):\n{text[-3000:]}")
-    log(f"  done in {time.monotonic() - t0:.0f}s")
 
 
 def regenerate(log: Log = print) -> None:
