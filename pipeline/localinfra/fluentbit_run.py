@@ -183,11 +183,13 @@ class FluentBit:
         return subprocess.run([str(self.binary), "-c", str(self.config_path), "--dry-run"],
                               capture_output=True, text=True, env=self.env(), timeout=60)
 
-    def start(self, timeout: float = 30.0) -> FluentBit:
+    def start(self, timeout: float = 30.0, new_session: bool = False) -> FluentBit:
+        """Start and wait for the health endpoint; ``new_session``: out of the terminal's process group
+        (a Ctrl-C then reaches only the caller, which stops the process itself)."""
         out = self.log_file.open("ab")
         self.proc = subprocess.Popen([str(self.binary), "-c", str(self.config_path)], stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=self.env(),
-                                     cwd=self.root)
+                                     cwd=self.root, start_new_session=new_session)
         out.close()
         procs.wait_until(self._healthy, timeout, "Fluent Bit", self.proc.pid, self.log_file)
         return self
