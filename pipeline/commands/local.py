@@ -52,7 +52,9 @@ def local() -> None:
               help="Also build Fluent Bit from the vendored source (or check $FLUENT_BIT_BIN), cached by version.")
 @click.option("--promtool/--no-promtool", default=False, show_default=True,
               help="Also install promtool (Debian's prometheus package, apt-get; root) for the alerting-rule tests.")
-def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool) -> None:
+@click.option("--helm/--no-helm", default=False, show_default=True,
+              help="Also build the pinned helm (Go build, cached): the demo renders the chart's Fluent Bit RBAC.")
+def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, helm: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         steps = install_steps()
@@ -66,6 +68,10 @@ def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool) -> None
             from pipeline.localinfra.fluentbit import VERSION, ensure_fluent_bit
 
             steps.append(InstallStep(f"Fluent Bit {VERSION} (CMake build of the vendored source)", ensure_fluent_bit))
+        if helm:
+            from pipeline.localinfra.helm import ensure_helm
+
+            steps.append(InstallStep("helm (Go build)", ensure_helm))
         _log(f"installed in {run_steps(steps, err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")
