@@ -168,6 +168,7 @@ class NodeShipper:
         self.sequence = 0  # the node's kmsg sequence number (never repeats within a boot)
         self.written = 0  # lines written that the prefilter keeps (every scenario line)
         self.container_files: dict[tuple[str, str], str] = {}
+        (self.fluent_bit.root / "kernel" / KERNEL_FILE).touch()  # there from boot: appends are seen at once
 
     def add_container_logs(self, namespace: str, pods: Iterable[str], salt: str) -> None:
         """The container runtime's log files of the node's pods (empty until their containers log)."""
