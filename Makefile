@@ -17,10 +17,10 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
-# Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source) and the Kafka jars once, cached
+# Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source), helm and the Kafka jars once, cached
 # under ~/.cache/xidflow: what the demo runs.
 infra: setup
-	$(VENV)/bin/xidflow local install --loki --fluent-bit
+	$(VENV)/bin/xidflow local install --loki --fluent-bit --helm
 
 # What the tests need besides: the OpenTelemetry Collector (built from Go modules, cached), Debian's rsyslog +
 # omkafka (the rsyslog shipper tests) and promtool (package prometheus; the alerting-rule tests), installed when

@@ -55,7 +55,9 @@ def local() -> None:
 @click.option("--otelcol/--no-otelcol", default=False, show_default=True,
               help="Also build the OpenTelemetry Collector (collector builder + Go; minutes on a cold cache, "
                    "then cached), or check $OTELCOL_BIN.")
-def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, otelcol: bool) -> None:
+@click.option("--helm/--no-helm", default=False, show_default=True,
+              help="Also build the pinned helm (Go build, cached): the demo renders the chart's Fluent Bit RBAC.")
+def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, otelcol: bool, helm: bool) -> None:
     """Install (build or download) the local binaries now, with progress, without starting them."""
     try:
         steps = install_steps()
@@ -74,6 +76,10 @@ def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, otelcol
 
             steps.append(InstallStep(f"OpenTelemetry Collector {otelcol_version()} (collector builder, Go build)",
                                      ensure_otelcol))
+        if helm:
+            from pipeline.localinfra.helm import ensure_helm
+
+            steps.append(InstallStep("helm (Go build)", ensure_helm))
         _log(f"installed in {run_steps(steps, err):.1f}s")
     except InstallError as exc:
         err.print(f"[red]error:[/] {exc}")

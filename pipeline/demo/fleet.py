@@ -3,7 +3,8 @@
 There is no kubelet in the embedded default, so the fleet does what a kubelet would: it creates
 Node objects with GPU labels and capacity, reports them Ready with a boot id, binds pods by
 ``spec.nodeName`` and reports them Running, and maintains the PDB status the disruption controller
-would compute. A "reboot" is a new ``status.nodeInfo.bootID``.
+would compute. A "reboot" is a new ``status.nodeInfo.bootID``. Nodes first boot on ``first_boot_id``
+when given: the demo passes this machine's boot id, the one its Fluent Bits stamp on kernel lines.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Fleet:
     standby: list[str] = field(default_factory=list)
     namespace: str = ""
     boot_ids: dict[str, str] = field(default_factory=dict)
+    first_boot_id: str | None = None  # every node's boot id before its first reboot (else a random one)
 
     @property
     def core(self) -> client.CoreV1Api:
@@ -74,7 +76,7 @@ class Fleet:
 
     def reboot(self, name: str, initial: bool = False) -> str:
         """Report the node Ready with a new boot id, as a kubelet does after a reboot."""
-        boot_id = str(uuid.uuid4())
+        boot_id = (self.first_boot_id if initial else None) or str(uuid.uuid4())
         self.boot_ids[name] = boot_id
         now = _now()
         self.core.patch_node_status(name, {"status": {

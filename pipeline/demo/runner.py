@@ -1,10 +1,14 @@
 """Runs the demo: a fleet, a worker, actuator replicas, the scripted scenario, a live view, a verdict.
 
-Everything is real: records go through Kafka in Fluent Bit's shapes (one node's kernel lines through
-a real Loki and ``xidflow loki-tail``, the path of Konduktor's Loki-based controller), the worker
-parses and aggregates them, the actuators act on a real API server. The demo only plays the parts a cluster
-would: kubelets (node status, a reboot is a new boot id), the node's reboot daemon (it answers the
-actuator's reboot-request annotation) and the node probe (passing health checks after the reboot).
+Everything is real: every node runs a real Fluent Bit on the shipped configuration (one process per
+node, like the DaemonSet; see :mod:`pipeline.demo.shipping`) that tails the node's kernel log and
+container logs into Kafka, its kubernetes filter asking the API server with a ServiceAccount token;
+one node's kernel lines go through a real Loki and ``xidflow loki-tail`` instead (the path of
+Konduktor's Loki-based controller). The worker parses and aggregates them, the actuators act on a real
+API server. The demo only plays the parts a cluster would: the nodes' kernels and container runtimes
+(they write the log files), kubelets (node status, a reboot is a new boot id), the node's reboot daemon
+(it answers the actuator's reboot-request annotation) and the node probe (its health-check records go to
+Kafka directly, as the probe's own producer sends them).
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import sys
 import time
 import uuid
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,8 +37,19 @@ from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATIO
 from pipeline.demo import view
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
 from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEX, STEPS, Emit, Step
+from pipeline.demo.shipping import (
+    FLUENT_BIT_VERSION,
+    FluentBitAccess,
+    NodeShipper,
+    fresh_folder,
+    rdkafka_credentials,
+    start_all,
+    stop_all,
+)
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.fluentbit_run import Render
 from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer, push_lines
+from pipeline.probe import read_boot_id
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult, RemediationRecord
 
@@ -73,6 +89,10 @@ class DemoRun:
     loki_lines: int = 0
     details: bool = False  # after the run, the fleet and the audit trail with every column (-o wide)
     last_states: dict[str, dict[str, Any]] = field(default_factory=dict)
+    shippers: dict[str, NodeShipper] = field(default_factory=dict)  # node -> its Fluent Bit
+    fluent_bit_access: FluentBitAccess | None = None
+    rebooted: set[str] = field(default_factory=set)
+    shipped: dict[str, int] = field(default_factory=lambda: {"kernel": 0, "pod": 0, "pod_with_metadata": 0})
 
     def __post_init__(self) -> None:
         cfg = client.Configuration()
@@ -80,7 +100,8 @@ class DemoRun:
         self.api = client.ApiClient(cfg)
         self.core = client.CoreV1Api(self.api)
         self.topics = TopicNames(prefix=f"demo-{self.run_id}.")
-        self.fleet = Fleet(self.api, self.run_id)
+        # The nodes run on this machine: they first boot on its boot id, which Fluent Bit's Lua filter stamps.
+        self.fleet = Fleet(self.api, self.run_id, first_boot_id=read_boot_id())
         self.namespace = f"xidflow-demo-{self.run_id}"
         self.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -128,14 +149,40 @@ class DemoRun:
             args += ["--org-id", self.loki_org_id]
         self._spawn("loki-tail", *args)
 
+    def start_fluent_bits(self) -> None:
+        """One Fluent Bit per node on the shipped configuration, its kubernetes filter with a real token."""
+        folder = fresh_folder(self.workdir / "fluent-bit")
+        log = lambda m: self.console.print(f"[dim]fluent-bit:[/] {m}")  # noqa: E731
+        self.fluent_bit_access = FluentBitAccess(self.api, self.namespace, f"xidflow-demo-{self.run_id}",
+                                                 folder / "access", log=log)
+        kube = self.fluent_bit_access.create()
+        rdkafka = rdkafka_credentials()
+        pods = self.fleet.pods_by_node()
+        for node in self.fleet.nodes + self.fleet.standby:
+            render = Render(root=folder / node, kernel_source="file-kmsg", kernel_topic=self.topics.name("logs_kernel"),
+                            pods_topic=self.topics.name("logs_pods"), kube=kube, rdkafka=rdkafka)
+            shipper = NodeShipper(folder / node, node, self.bootstrap, render, log=log)
+            shipper.add_container_logs(self.fleet.namespace, pods.get(node, []), self.run_id)
+            self.shippers[node] = shipper
+        start_all(self.shippers.values())
+
     def start_processes(self) -> None:
-        self.start_loki()
-        self._spawn("worker", "worker", "--bootstrap", self.bootstrap, "--app-id", f"xidflow-demo-{self.run_id}",
-                    "--partitions", "4", "--loglevel", "warning")
-        for i in range(1, self.actuators + 1):
-            self._spawn(f"actuator-{i}", "actuator", "--kubeconfig", self.kubeconfig)
+        # The Fluent Bits come up while Loki, the worker and the actuators start (each waits for its health).
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            fluent_bits = pool.submit(self.start_fluent_bits)
+            self.start_loki()
+            self._spawn("worker", "worker", "--bootstrap", self.bootstrap, "--app-id", f"xidflow-demo-{self.run_id}",
+                        "--partitions", "4", "--loglevel", "warning")
+            for i in range(1, self.actuators + 1):
+                self._spawn(f"actuator-{i}", "actuator", "--kubeconfig", self.kubeconfig)
+            fluent_bits.result()
 
     def check_processes(self) -> None:
+        for node, shipper in self.shippers.items():
+            if not shipper.fluent_bit.alive():
+                proc = shipper.fluent_bit.proc
+                raise RuntimeError(f"Fluent Bit of {node} exited with {proc.returncode if proc else None} "
+                                   f"(log: {shipper.fluent_bit.log_file}):\n{shipper.fluent_bit.log_tail(30)}")
         for name, proc in self.procs.items():
             if proc.poll() is not None:
                 if name == "loki-tail":
@@ -145,15 +192,19 @@ class DemoRun:
                 raise RuntimeError(f"{name} exited with {proc.returncode}:\n{tail}")
 
     def stop_processes(self) -> None:
-        for proc in self.procs.values():
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, 15)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
+        # The Fluent Bits stop (each flushes what it read; a few seconds) while the other processes do.
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            fluent_bits = pool.submit(stop_all, list(self.shippers.values()))
+            for proc in self.procs.values():
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, 9)
+                    os.killpg(proc.pid, 15)
+            for proc in self.procs.values():
+                try:
+                    proc.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(proc.pid, 9)
+            fluent_bits.result()
 
     # -- Kafka ----------------------------------------------------------------------------------
     async def create_topics(self) -> None:
@@ -173,16 +224,26 @@ class DemoRun:
         finally:
             await consumer.stop()
 
-    def _kernel_record(self, node: str, line: str, seq: int) -> bytes:
-        now = time.time()
-        return orjson.dumps({"priority": 3, "sequence": seq, "sec": int(now) % 100000, "usec": 0, "msg": line,
-                             "node": node, "@timestamp": now})
-
-    def _pod_record(self, node: str, line: str, pod: str) -> bytes:
-        return orjson.dumps({"log": line, "stream": "stderr", "time": time.strftime("%Y-%m-%dT%H:%M:%S.000Z",
-                                                                                  time.gmtime()),
-                             "kubernetes": {"host": node, "pod_name": pod, "namespace_name": self.fleet.namespace,
-                                            "container_name": "trainer"}})
+    async def follow_shipped(self) -> None:
+        """What the Fluent Bits delivered: kernel records, and pod records with the API server's metadata."""
+        consumer = kafka_clients.consumer(self.topics.name("logs_kernel"), self.topics.name("logs_pods"),
+                                          bootstrap=self.bootstrap, auto_offset_reset="earliest")
+        await consumer.start()
+        pods_topic = self.topics.name("logs_pods")
+        try:
+            async for msg in consumer:
+                with contextlib.suppress(Exception):
+                    rec = orjson.loads(msg.value)
+                    if msg.topic != pods_topic:
+                        self.shipped["kernel"] += "sequence" in rec and "boot_id" in rec
+                        continue
+                    self.shipped["pod"] += 1
+                    kube = rec.get("kubernetes") or {}
+                    # host and pod_id come only from the pod object on the API server, never from the file name.
+                    resolved = bool(kube.get("pod_id")) and kube.get("host") == rec.get("node")
+                    self.shipped["pod_with_metadata"] += resolved
+        finally:
+            await consumer.stop()
 
     async def push_to_loki(self, node: str, e: Emit) -> None:
         """The Konduktor path: the node's kernel lines are pushed to Loki; loki-tail brings them to Kafka."""
@@ -193,23 +254,37 @@ class DemoRun:
         await asyncio.to_thread(push_lines, self.loki_url, labels, values, tenant=self.loki_org_id)
         self.loki_lines += len(values)
 
-    async def emit(self, producer: AIOKafkaProducer, e: Emit) -> None:
+    def emit(self, e: Emit) -> NodeShipper | None:
+        """Write one emit's lines where the node's shipper reads them; returns that Fluent Bit (None: Loki)."""
         node = self.fleet.nodes[e.node_index - 1]
-        if e.source == "kernel" and e.node_index == LOKI_NODE_INDEX:
-            await self.push_to_loki(node, e)
-            return
-        pods = self.fleet.pods_by_node().get(node) or [f"llm-{e.node_index:02d}-0"]
-        seq = 0
-        for _ in range(e.repeat):
-            for line in e.lines:
-                seq += 1
-                if e.source == "kernel":
-                    value, topic = self._kernel_record(node, line, seq), self.topics.name("logs_kernel")
-                else:
-                    value, topic = self._pod_record(node, line, pods[e.pod_index % len(pods)]), \
-                        self.topics.name("logs_pods")
-                await producer.send(topic, value, key=node.encode())
-        await producer.flush()
+        lines = [line for _ in range(e.repeat) for line in e.lines]
+        shipper = self.shippers[node]
+        if e.source == "kernel":
+            if node in self.rebooted:
+                # Its Fluent Bit would stamp the boot id of this machine, not the node's new one.
+                raise RuntimeError(f"the scenario logs kernel lines on {node} after its simulated reboot")
+            shipper.write_kernel(lines)
+            return shipper
+        pods = self.fleet.pods_by_node().get(node) or [pod for _, pod in shipper.container_files]
+        shipper.write_pod(self.fleet.namespace, pods[e.pod_index % len(pods)], lines)
+        return shipper
+
+    async def wait_shipped(self, shippers: set[NodeShipper]) -> None:
+        """Until Kafka acknowledged every line written to these nodes (Fluent Bit's output counters)."""
+        deadline = time.monotonic() + self.step_timeout
+        pending = set(shippers)
+        while pending:
+            self.check_processes()
+            for shipper in list(pending):
+                with contextlib.suppress(OSError, ValueError):
+                    if await asyncio.to_thread(shipper.fluent_bit.output_records) >= shipper.written:
+                        pending.discard(shipper)
+            if pending and time.monotonic() > deadline:
+                first = next(iter(pending))
+                raise RuntimeError(f"Fluent Bit of {', '.join(sorted(p.node for p in pending))} did not deliver its "
+                                   f"lines within {self.step_timeout:.0f}s:\n{first.fluent_bit.log_tail(30)}")
+            if pending:
+                await asyncio.sleep(0.2)
 
     async def send_health(self, producer: AIOKafkaProducer, node: str, boot_id: str) -> None:
         for check in HEALTH_CHECKS:
@@ -238,8 +313,7 @@ class DemoRun:
         return out
 
     def snapshot(self, states: dict[str, dict[str, Any]]) -> view.Snapshot:
-        via = {name: "Loki -> loki-tail -> Kafka" if name == self.loki_node else "Fluent Bit -> Kafka"
-               for name in self.fleet.nodes + self.fleet.standby}
+        via = {name: self.lines_via(name) for name in self.fleet.nodes + self.fleet.standby}
         return view.Snapshot(
             title=f"GPU fleet, demo {self.run_id}: {self.phase}",
             nodes=[s["object"] for s in states.values() if "object" in s], standby_label=STANDBY_LABEL,
@@ -249,6 +323,11 @@ class DemoRun:
     def render(self, states: dict[str, dict[str, Any]]) -> view.Lines:
         self.last_states = states
         return view.live_view(self.snapshot(states))
+
+    def lines_via(self, name: str) -> str:
+        shipper = self.shippers.get(name)
+        via = f"Fluent Bit (pid {shipper.pid}) -> Kafka" if shipper else "-"
+        return f"kernel: Loki -> loki-tail -> Kafka; pods: {via}" if name == self.loki_node else via
 
     # -- the scenario -----------------------------------------------------------------------------
     async def wait_for(self, live: Live, cond, within: float) -> tuple[bool, dict]:  # noqa: ANN001
@@ -263,10 +342,15 @@ class DemoRun:
             await asyncio.sleep(0.5)
         return False, states
 
-    async def run_step(self, live: Live, producer: AIOKafkaProducer, step: Step) -> None:
+    async def run_step(self, live: Live, step: Step) -> None:
         self.phase = step.title
+        written: set[NodeShipper] = set()
         for e in step.emits:
-            await self.emit(producer, e)
+            if e.source == "kernel" and e.node_index == LOKI_NODE_INDEX:
+                await self.push_to_loki(self.fleet.nodes[e.node_index - 1], e)
+            else:
+                written.add(await asyncio.to_thread(self.emit, e))
+        await self.wait_shipped(written)
         quarantine = {self.fleet.nodes[i - 1] for i, exp in step.expect.items() if exp == "quarantined"}
         standby = self.fleet.standby if step.standby_in_service else []
 
@@ -293,6 +377,7 @@ class DemoRun:
         asked, _ = await self.wait_for(live, lambda s: s.get(node, {}).get("reboot"), self.step_timeout)
         # The node's reboot daemon: reboots (new boot id) and its probe reports passing checks.
         boot_id = await asyncio.to_thread(self.fleet.reboot, node)
+        self.rebooted.add(node)
         await self.send_health(producer, node, boot_id)
         self.phase = f"recovery of {node}"
         ok, states = await self.wait_for(live, lambda s: not s.get(node, {}).get("unschedulable")
@@ -312,12 +397,17 @@ class DemoRun:
         await asyncio.to_thread(self.fleet.create, self.nodes, 1)
         con.print(f"fleet: {len(self.fleet.nodes)} GPU nodes + {len(self.fleet.standby)} standby, "
                   f"{sum(len(p) for p in self.fleet.pods_by_node().values())} training pods with a PDB")
-        self.start_processes()
-        con.print(f"started 1 worker and {self.actuators} actuator replicas (logs in {self.workdir})")
+        await asyncio.to_thread(self.start_processes)
+        con.print(f"started {len(self.shippers)} Fluent Bit {FLUENT_BIT_VERSION} processes (one per node, "
+                  f"deploy/fluent-bit/fluent-bit.yaml), 1 worker and {self.actuators} actuator replicas "
+                  f"(logs in {self.workdir})")
+        con.print("Fluent Bit path: each node's kernel lines (/dev/kmsg record format) and pod lines (CRI container "
+                  "logs) are tailed by the node's Fluent Bit, pod lines resolved by its kubernetes filter "
+                  "(ServiceAccount token), and travel Fluent Bit -> Kafka")
         con.print(f"Konduktor path: kernel lines of [bold]{self.loki_node}[/] are pushed to Loki ({self.loki_url}, "
-                  f"tenant {self.loki_org_id or '-'}) and travel Loki -> xidflow loki-tail -> Kafka; "
-                  "the other nodes ship with Fluent Bit's record shapes")
+                  f"tenant {self.loki_org_id or '-'}) and travel Loki -> xidflow loki-tail -> Kafka")
         audit_task = asyncio.create_task(self.follow_audit())
+        shipped_task = asyncio.create_task(self.follow_shipped())
         pdb_task = asyncio.create_task(self._keep_pdb_status())
         producer = kafka_clients.producer(bootstrap=self.bootstrap, acks="all", linger_ms=5)
         await producer.start()
@@ -327,19 +417,37 @@ class DemoRun:
                 await self.send_health(producer, node, self.fleet.boot_ids[node])
             with Live(self.render({}), console=con, refresh_per_second=4, transient=False) as live:
                 for step in STEPS:
-                    await self.run_step(live, producer, step)
+                    await self.run_step(live, step)
                 await self.reboot_and_recover(live, producer)
+                await self.check_fluent_bit_records(live)
                 self.phase = "done"
                 live.update(self.render(await asyncio.to_thread(self.node_states)))
         finally:
             await producer.stop()
             audit_task.cancel()
             pdb_task.cancel()
+            shipped_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await shipped_task
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await audit_task
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await pdb_task
         return self.summary()
+
+    async def check_fluent_bit_records(self, live: Live) -> None:
+        """Every line the demo wrote to a node's logs reached Kafka through Fluent Bit, pod lines with the
+        metadata the kubernetes filter read from the API server."""
+        kernel = sum(s.sequence for s in self.shippers.values())
+        pod = sum(s.written - s.sequence for s in self.shippers.values())
+        ok, _ = await self.wait_for(live, lambda _: self.shipped["kernel"] >= kernel
+                                    and self.shipped["pod_with_metadata"] >= pod, self.step_timeout)
+        self.verdicts.append(Verdict(
+            "Shipped by Fluent Bit", f"{len(self.shippers)} nodes", f"{kernel} kernel + {pod} pod records",
+            f"{self.shipped['kernel']} kernel + {self.shipped['pod']} pod records, {self.shipped['pod_with_metadata']} "
+            "with pod metadata", ok,
+            "each node's Fluent Bit tailed its kernel log and container logs with the shipped configuration; the "
+            "kubernetes filter added host and pod uid from the API server"))
 
     async def _keep_pdb_status(self) -> None:
         while True:
@@ -360,6 +468,9 @@ class DemoRun:
 
     def cleanup(self) -> None:
         self.stop_processes()
+        if self.fluent_bit_access is not None:
+            with contextlib.suppress(Exception):
+                self.fluent_bit_access.delete()
         if self.loki_server is not None:
             self.loki_server.stop()
         with contextlib.suppress(Exception):

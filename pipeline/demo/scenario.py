@@ -1,9 +1,11 @@
 """The demo's scripted scenario: what each node logs, and what xidflow must then do about it.
 
-Pure data. Lines are real driver formats (see tests/corpus for their public sources); they are
-shipped the way Fluent Bit ships them (kmsg records for the kernel, tail + kubernetes filter records
-for pods), so the demo exercises the same adapters as production; one node's kernel lines go the way
-Konduktor's nodes ship them instead: pushed to Loki and bridged to Kafka by ``xidflow loki-tail``.
+Pure data. Lines are real driver formats (see tests/corpus for their public sources); the demo writes
+them to each node's kernel log (in /dev/kmsg's record format) and container logs (CRI format), and the
+node's real Fluent Bit ships them with the shipped configuration, so the demo exercises the same
+shipper and adapters as production; one node's kernel lines go the way Konduktor's nodes ship them
+instead: pushed to Loki and bridged to Kafka by ``xidflow loki-tail``. After its reboot a node logs no
+kernel lines (see pipeline.demo.shipping: its Fluent Bit can only stamp this machine's boot id).
 """
 
 from __future__ import annotations
@@ -122,4 +124,3 @@ REBOOT_NODE_INDEX = 2
 
 LOKI_NODE_INDEX = 3
 """The node whose kernel lines travel the Konduktor path: Loki -> ``xidflow loki-tail`` -> Kafka."""
-"""The node that is rebooted (new boot id, checks pass) and must come back into service."""

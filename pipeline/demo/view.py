@@ -109,7 +109,7 @@ FLEET_COLUMNS = [
     Column("why", _status_cell("why"), wide_only=True),
     Column("incidents", lambda r: joined([short_id(i["id"]) for i in r["incidents"]]), wide_only=True),
     Column("boot", lambda r: r["boot"] or "-", wide_only=True),
-    Column("kernel-lines-via", lambda r: r["kernel_path"] or "-", wide_only=True),
+    Column("lines-via", lambda r: r["kernel_path"] or "-", wide_only=True),
     Column("last-action", lambda r: r["last_action_short"], wide_only=True),
 ]
 FLEET_REQUIRED = ("NODE", "STATE")

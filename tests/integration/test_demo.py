@@ -31,3 +31,11 @@ def test_demo_completes_with_every_expectation_met(kafka_bootstrap: str, kubecon
     assert "demo passed" in out
     assert "WRONG" not in out
     assert "went through Loki -> xidflow loki-tail -> Kafka" in out  # the Konduktor path, on screen
+    # The Fluent Bit path: real processes, every line delivered, pod lines resolved by the kubernetes filter.
+    assert "Fluent Bit 5.1.1 processes (one per node" in out and "Shipped by Fluent Bit" in out
+    fluent_bits = sorted((tmp_path / "demo" / "fluent-bit").glob("*/fluent-bit.log"))
+    assert len(fluent_bits) == 9, fluent_bits  # 8 GPU nodes + the standby, one process each
+    for log in fluent_bits:
+        text = log.read_text(errors="replace")
+        assert "[engine] started" in text or "version=" in text, text[-2000:]
+        assert "[error]" not in text, text[-3000:]
