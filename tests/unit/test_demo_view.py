@@ -194,7 +194,7 @@ def test_details_are_every_column_whole_whatever_the_width() -> None:
     assert text.startswith("\nGPU fleet")  # it follows the live view, whose last line may lack its newline
     header = next(line for line in text.splitlines() if line.startswith("NODE "))
     assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS", "EFFECTS", "WHY", "INCIDENTS", "BOOT",
-                              "KERNEL-LINES-VIA", "LAST-ACTION"]
+                              "LINES-VIA", "LAST-ACTION"]
     row = line_of(text, NODES[2])[0].split("   ")
     assert [c.strip() for c in row if c.strip()] == [
         NODES[2], "Quarantined", "sxid 24007", "75s", TAINT, "condition/GpuSXid,cordon,taint/NoSchedule", "RESTART_BM",
