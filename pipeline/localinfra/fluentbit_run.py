@@ -46,6 +46,8 @@ ALLOWED_CHANGES = frozenset({
     "input[kube.*].refresh_interval",
     "filter[kubernetes].kube_url", "filter[kubernetes].kube_ca_file", "filter[kubernetes].kube_token_file",
     "filter[kubernetes].kube_meta_cache_ttl",
+    # The tail input's tag is `kube.` + the file's path with '/' as '.': the prefix follows the moved glob.
+    "filter[kubernetes].kube_tag_prefix",
     "output[kernel].topics", "output[kube.*].topics",
     # The codec is what the codec tests vary (every codec Kafka allows must reach the worker).
     "output[kernel].rdkafka.compression.codec", "output[kube.*].rdkafka.compression.codec",
@@ -67,6 +69,12 @@ class Render:
     http_port: int = 0
     kube: Mapping[str, str] | None = None  # kube_url, kube_ca_file, kube_token_file
     rdkafka: Mapping[str, str] = field(default_factory=dict)  # e.g. security settings, compression.codec
+
+
+def kube_tag_prefix(containers_dir: str) -> str:
+    """The tag prefix the ``kube.*`` tail input gives files in ``containers_dir`` (Fluent Bit's tag expansion:
+    the path with '/' as '.', the leading one dropped): ``/var/log/containers`` -> ``kube.var.log.containers.``."""
+    return "kube." + containers_dir.strip("/").replace("/", ".") + "."
 
 
 def load_shipped(path: Path = SHIPPED_CONFIG) -> dict[str, Any]:
@@ -99,10 +107,13 @@ def render_shipped_config(render: Render, shipped: Mapping[str, Any] | None = No
             inp["db"] = str(root / "tail-containers.db")
             inp["read_from_head"] = "true"  # files the test creates before Fluent Bit starts are read too
             inp["refresh_interval"] = 1
+    containers_dir = os.path.dirname(render.containers_glob or str(root / "containers" / "*.log"))
     for flt in pipeline["filters"]:
-        if flt["name"] == "kubernetes" and render.kube:
-            flt.update(render.kube)
-            flt["kube_meta_cache_ttl"] = "5s"
+        if flt["name"] == "kubernetes":
+            flt["kube_tag_prefix"] = kube_tag_prefix(containers_dir)
+            if render.kube:
+                flt.update(render.kube)
+                flt["kube_meta_cache_ttl"] = "5s"
     for out in pipeline["outputs"]:
         out["topics"] = render.kernel_topic if out["match"] == "kernel" else render.pods_topic
         out.update({f"{RDKAFKA_PREFIX}{k}": v for k, v in render.rdkafka.items()})

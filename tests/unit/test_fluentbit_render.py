@@ -11,6 +11,7 @@ import pytest
 from pipeline.localinfra.fluentbit_run import (
     KERNEL_FILE_PARSERS,
     Render,
+    kube_tag_prefix,
     load_shipped,
     render_shipped_config,
     shipped_config_drift,
@@ -47,3 +48,15 @@ def test_the_kernel_file_parsers_are_shipped_and_yield_msg() -> None:
     m = re.match(regex, "4,1187,538441007373,-;NVRM: Xid (PCI:0000:4e:00): 79, GPU has fallen off the bus.")
     assert m and m.group("sec") == "538441" and m.group("usec") == "007373" and m.group("sequence") == "1187"
     assert m.group("msg").startswith("NVRM: Xid")
+
+
+def test_the_kubernetes_tag_prefix_follows_the_container_log_path(tmp_path: Path) -> None:
+    """The shipped prefix is what the shipped glob's tag expansion gives; a moved glob moves it along, or the
+    kubernetes filter would find no pod name in the tag and add no metadata."""
+    shipped = load_shipped()
+    tail = next(i for i in shipped["pipeline"]["inputs"] if i["tag"] == "kube.*")
+    kube = next(f for f in shipped["pipeline"]["filters"] if f["name"] == "kubernetes")
+    assert kube_tag_prefix(str(Path(tail["path"]).parent)) == kube["kube_tag_prefix"]
+    rendered = render_shipped_config(Render(root=tmp_path))
+    kube = next(f for f in rendered["pipeline"]["filters"] if f["name"] == "kubernetes")
+    assert kube["kube_tag_prefix"] == "kube." + str(tmp_path / "containers").strip("/").replace("/", ".") + "."
