@@ -31,12 +31,17 @@ VALUE_SETS = {"default": None, **{p.name: p for p in sorted((CHART / "ci").glob(
 SECURITY_PREFIXES = ("rdkafka.security.", "rdkafka.sasl.", "rdkafka.ssl.")
 
 
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """Helm's coalescing of a values file onto the defaults: maps merge key by key, anything else replaces."""
+    out = dict(base)
+    for key, value in over.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
 def chart_values(values_file: Path | None) -> dict[str, Any]:
     values = yaml.safe_load((CHART / "values.yaml").read_text())
-    if values_file is not None:
-        for key, value in (yaml.safe_load(values_file.read_text()) or {}).items():
-            values[key] = {**values[key], **value} if isinstance(value, dict) and key in values else value
-    return values
+    return _merge(values, yaml.safe_load(values_file.read_text()) or {}) if values_file else values
 
 
 def chart_fluent_bit_config(values_file: Path | None) -> str:
