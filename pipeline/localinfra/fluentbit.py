@@ -50,7 +50,10 @@ CMAKE_OPTIONS = (
 BUILD_TOOLS = (("cmake", "cmake"), ("make", "make"), ("cc", "build-essential"), ("c++", "build-essential"),
                ("flex", "flex"), ("bison", "bison"), ("pkg-config", "pkg-config"))
 BUILD_LIBS = (("yaml-0.1", "libyaml-dev"), ("openssl", "libssl-dev"), ("libsystemd", "libsystemd-dev"),
-              ("sqlite3", "libsqlite3-dev"))
+              ("sqlite3", "libsqlite3-dev"),
+              # Cyrus SASL: without it the bundled librdkafka builds SASL PLAIN only (no SCRAM, no OAUTHBEARER)
+              # and a kafka output configured for SCRAM-SHA-512 refuses to start.
+              ("libsasl2", "libsasl2-dev"))
 
 
 def vendor_dir() -> Path:
@@ -67,7 +70,8 @@ def source_tarball() -> Path:
 
 def fluent_bit_target() -> Path:
     """Where the cached binary of this version and these options lives (built or not)."""
-    digest = hashlib.sha256("\n".join(CMAKE_OPTIONS).encode()).hexdigest()[:12]
+    # The libraries found decide features too (librdkafka's SASL mechanisms), so they are part of the key.
+    digest = hashlib.sha256("\n".join((*CMAKE_OPTIONS, *(m for m, _ in BUILD_LIBS))).encode()).hexdigest()[:12]
     return cache_root() / "fluent-bit" / f"{VERSION}-{digest}" / "fluent-bit"
 
 

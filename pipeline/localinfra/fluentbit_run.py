@@ -212,7 +212,12 @@ class FluentBit:
             return orjson.loads(r.read())
 
     def output_records(self) -> int:
-        """Records the Kafka outputs have delivered (acknowledged by the broker) so far."""
+        """Records the Kafka outputs have taken so far (``proc_records``).
+
+        Fluent Bit's kafka output counts a record once librdkafka has queued it, before the broker answers: a
+        delivery that fails after that is only a ``message delivery failed`` warning in the log (a refusal
+        librdkafka already knows of at produce time is an error and a dropped record). Prove delivery by
+        reading the topic."""
         return sum(int(v.get("proc_records", 0)) for v in self.metrics().get("output", {}).values())
 
     def write(self, name: str, *lines: str, folder: str = "kernel") -> Path:
@@ -241,7 +246,8 @@ class FluentBit:
         return procs.tail(self.log_file, lines) if self.log_file.exists() else "(no log)"
 
     def wait_delivered(self, count: int, timeout: float = 60.0) -> int:
-        """Wait until the outputs report at least ``count`` delivered records; returns the count seen."""
+        """Wait until the outputs report at least ``count`` records taken (see ``output_records``); returns
+        the count seen."""
         deadline = time.monotonic() + timeout
         seen = 0
         while time.monotonic() < deadline:
