@@ -223,21 +223,11 @@ class FluentBit:
     def write(self, name: str, *lines: str, folder: str = "kernel") -> Path:
         """Append lines to ``<root>/<folder>/<name>`` (created on first use), as a logging program would."""
         path = self.root / folder / name
-        with path.open("a") as f:
-            for line in lines:
-                f.write(line + "\n")
+        procs.append_lines(path, lines)
         return path
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 20.0) -> None:
-        if not self.alive():
-            return
-        assert self.proc is not None
-        self.proc.send_signal(sig)
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        procs.terminate(self.proc, timeout, sig)
 
     def kill(self) -> None:
         self.stop(signal.SIGKILL)

@@ -8,7 +8,7 @@ import signal
 import socket
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict
 from pathlib import Path
 
@@ -121,3 +121,21 @@ def tail(path: Path, lines: int = 25) -> str:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
         return f"(no log at {path})"
+
+
+def terminate(proc: subprocess.Popen | None, timeout: float = 30.0, sig: int = signal.SIGTERM) -> None:
+    """Stop a child we started: ``sig`` (SIGTERM), then SIGKILL after ``timeout``; nothing if it already ended."""
+    if proc is None or proc.poll() is not None:
+        return
+    proc.send_signal(sig)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def append_lines(path: Path, lines: Iterable[str]) -> None:
+    """Append lines to a log file the way a logging program does (one write, newline-terminated)."""
+    with path.open("a") as f:
+        f.write("".join(f"{line}\n" for line in lines))

@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
 from pipeline.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
@@ -43,3 +44,12 @@ def worker_prefix(kafka_bootstrap: str, tmp_path_factory: pytest.TempPathFactory
         assert worker.alive(), f"the worker died:\n{worker.log_tail()}"
     finally:
         worker.stop()
+
+
+@pytest.fixture(scope="module")
+def rsyslog() -> RsyslogDist:
+    """Debian's rsyslogd with omkafka (librdkafka), installed when missing; fails loudly, never skips."""
+    try:
+        return ensure_rsyslog_kafka(lambda m: print(f"[rsyslog] {m}", flush=True))
+    except Exception as exc:  # noqa: BLE001 - fail loudly, never skip
+        pytest.fail(f"rsyslogd with omkafka is not available and could not be installed: {exc}", pytrace=False)

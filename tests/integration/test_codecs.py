@@ -31,9 +31,10 @@ from pipeline import kafka_clients
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
 from pipeline.localinfra.procs import free_port
-from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
+from pipeline.localinfra.rsyslog import RsyslogDist
 from pipeline.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, XID, Pipeline, Worker, healthz, kmsg, wait_ready
+from tests.integration.test_rsyslog import Rsyslogd
 
 pytestmark = pytest.mark.integration
 
@@ -111,66 +112,6 @@ async def test_every_codec_round_trips_through_the_consumer_factory(kafka_bootst
 
 
 # -- a real librdkafka producer per codec, a real worker ------------------------------------------------
-@pytest.fixture(scope="module")
-def rsyslog() -> RsyslogDist:
-    try:
-        return ensure_rsyslog_kafka(lambda m: print(f"[rsyslog] {m}", flush=True))
-    except Exception as exc:  # noqa: BLE001 - fail loudly, never skip
-        pytest.fail(f"rsyslogd with omkafka is not available and could not be installed: {exc}", pytrace=False)
-
-
-class Rsyslogd:
-    """One rsyslogd shipping one kernel-style file to one partition with one codec (librdkafka)."""
-
-    def __init__(self, dist: RsyslogDist, root: Path, hostname: str, bootstrap: str, topic: str,
-                 partition: int, codec: str) -> None:
-        import subprocess
-
-        self._subprocess = subprocess
-        self.dist, self.root = dist, root
-        root.mkdir(parents=True)
-        (root / "work").mkdir()
-        self.log_file = root / "kern.log"
-        self.log_file.touch()
-        (root / "rsyslog.conf").write_text(f"""
-global(workDirectory="{root / 'work'}" localHostname="{hostname}")
-module(load="imfile")
-module(load="omkafka")
-input(type="imfile" file="{self.log_file}" tag="kernel:" facility="kern" severity="err" ruleset="to_kafka")
-ruleset(name="to_kafka") {{
-  action(type="omkafka" broker=["{bootstrap}"] topic="{topic}" partitions.usefixed="{partition}"
-         confParam=["compression.codec={codec}", "queue.buffering.max.ms=10", "acks=all"])
-}}
-""")
-        self.proc: subprocess.Popen | None = None
-
-    def start(self) -> Rsyslogd:
-        out = (self.root / "rsyslogd.out").open("wb")
-        self.proc = self._subprocess.Popen(
-            [str(self.dist.rsyslogd), "-n", "-f", str(self.root / "rsyslog.conf"), "-i", str(self.root / "pid")],
-            stdout=out, stderr=self._subprocess.STDOUT, stdin=self._subprocess.DEVNULL,
-        )
-        out.close()
-        return self
-
-    def write(self, *lines: str) -> None:
-        with self.log_file.open("a") as f:
-            for line in lines:
-                f.write(line + "\n")
-
-    def output(self) -> str:
-        return (self.root / "rsyslogd.out").read_text(errors="replace")[-3000:]
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except self._subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
-
-
 async def _world(bootstrap: str, label: str) -> tuple[str, str]:
     tag = uuid.uuid4().hex[:8]
     prefix, app_id = f"t-{label}-{tag}-", f"t-{label}-{tag}"
@@ -205,7 +146,8 @@ async def test_every_codec_from_librdkafka_becomes_incidents(
     raw_topic = TopicNames(prefix=codec_worker).name("logs_kernel")
     nodes = {codec: f"rsys-{codec}-{uuid.uuid4().hex[:6]}" for codec in CODECS}
     daemons = {
-        codec: Rsyslogd(rsyslog, tmp_path / codec, nodes[codec], kafka_bootstrap, raw_topic, partition, codec).start()
+        codec: Rsyslogd(rsyslog, tmp_path / codec, nodes[codec], kafka_bootstrap, raw_topic, None,
+                        partition=partition, codec=codec).start()
         for partition, codec in enumerate(CODECS)
     }
     line = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

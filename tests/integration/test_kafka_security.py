@@ -29,6 +29,7 @@ from pipeline.actuator.signing import Signer, SigningSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra import procs
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
 from pipeline.settings import KafkaSettings, TopicNames
 from schemas.records import RemediationRecord
@@ -138,13 +139,7 @@ class Proc:
         return self.log.read_text(errors="replace")[-4000:]
 
     def stop(self) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        procs.terminate(self.proc)
 
 
 class World:

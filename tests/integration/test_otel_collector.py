@@ -23,6 +23,7 @@ import orjson
 import pytest
 import yaml
 
+from pipeline.localinfra import procs
 from pipeline.localinfra.otelcol import ensure_otelcol
 from pipeline.localinfra.procs import free_port
 from pipeline.settings import TopicNames
@@ -97,9 +98,7 @@ class Collector:
         return self
 
     def write(self, *lines: str) -> None:
-        with self.log_file.open("a") as f:
-            for line in lines:
-                f.write(line + "\n")
+        procs.append_lines(self.log_file, lines)
 
     def output(self) -> str:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
@@ -108,13 +107,7 @@ class Collector:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        procs.terminate(self.proc)
 
 
 def test_the_shipped_configuration_is_valid_for_the_built_collector(otelcol: Path, tmp_path: Path) -> None:

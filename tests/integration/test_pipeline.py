@@ -25,6 +25,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra import procs
 from pipeline.localinfra.procs import free_port
 from pipeline.settings import TopicNames
 from schemas.records import HealthCheckResult
@@ -99,14 +100,7 @@ class Worker:
         self.proc.wait(10)
 
     def stop(self) -> None:
-        if self.proc is None or self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
+        procs.terminate(self.proc)
 
     def log_tail(self) -> str:
         return self.log_path.read_text(errors="replace")[-3000:] if self.log_path.exists() else ""

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
+from pipeline.localinfra import procs
+from pipeline.localinfra.rsyslog import RsyslogDist
 from pipeline.settings import TopicNames
 from tests.integration.test_pipeline import Pipeline
 
@@ -35,25 +36,21 @@ template(name="xidflow_json" type="list" option.jsonf="on") {
 """
 
 
-@pytest.fixture(scope="module")
-def rsyslog() -> RsyslogDist:
-    try:
-        return ensure_rsyslog_kafka(lambda m: print(f"[rsyslog] {m}", flush=True))
-    except Exception as exc:  # noqa: BLE001 - fail loudly, never skip
-        pytest.fail(f"rsyslogd with omkafka is not available and could not be installed: {exc}", pytrace=False)
-
-
 class Rsyslogd:
     """One rsyslogd (foreground, own config/pid/work dir) shipping one file to Kafka as ``hostname``."""
 
     def __init__(self, dist: RsyslogDist, root: Path, hostname: str, bootstrap: str, topic: str,
-                 template: str | None) -> None:
+                 template: str | None, *, partition: int | None = None, codec: str | None = None) -> None:
         self.dist, self.root, self.hostname = dist, root, hostname
         root.mkdir(parents=True)
         (root / "work").mkdir()
         self.log_file = root / "kern.log"
         self.log_file.touch()
         action_template = f' template="{template}"' if template else ""  # none: omkafka's default form
+        if partition is not None:
+            action_template += f' partitions.usefixed="{partition}"'
+        conf_params = [f"compression.codec={codec}"] if codec else []  # librdkafka compresses the batches
+        conf_params += ["queue.buffering.max.ms=10", "acks=all"]
         (root / "rsyslog.conf").write_text(f"""
 global(workDirectory="{root / 'work'}" localHostname="{hostname}")
 module(load="imfile")
@@ -62,7 +59,7 @@ module(load="omkafka")
 input(type="imfile" file="{self.log_file}" tag="kernel:" facility="kern" severity="err" ruleset="to_kafka")
 ruleset(name="to_kafka") {{
   action(type="omkafka" broker=["{bootstrap}"] topic="{topic}"{action_template}
-         confParam=["queue.buffering.max.ms=10", "acks=all"])
+         confParam=[{", ".join(f'"{p}"' for p in conf_params)}])
 }}
 """)
         self.proc: subprocess.Popen | None = None
@@ -77,21 +74,13 @@ ruleset(name="to_kafka") {{
         return self
 
     def write(self, *lines: str) -> None:
-        with self.log_file.open("a") as f:
-            for line in lines:
-                f.write(line + "\n")
+        procs.append_lines(self.log_file, lines)
 
     def output(self) -> str:
         return (self.root / "rsyslogd.out").read_text(errors="replace")[-3000:]
 
     def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(10)
+        procs.terminate(self.proc, 20)
 
 
 async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node(
