@@ -30,6 +30,7 @@ from aiokafka.errors import UnsupportedCodecError
 from pipeline import kafka_clients
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.liveness import LIVENESS
 from pipeline.localinfra.procs import free_port
 from pipeline.localinfra.rsyslog import RsyslogDist
 from pipeline.settings import TopicNames
@@ -381,6 +382,7 @@ async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_g
         await reader.stop()
         stage.stop()
         await asyncio.wait_for(task, 30)
+        LIVENESS.remove(stage.live.name)  # this process goes on (the test session): the stopped stage is gone
     assert {e["node"] for e in events} == {nodes[0], nodes[2]}
     assert len(letters) == 1, letters
     letter = letters[0]
