@@ -44,7 +44,7 @@ def test_a_blocked_loop_does_not_answer_and_a_running_one_does() -> None:
         after.append(await asyncio.to_thread(get, port))
         server.cancel()
 
-    loop_thread = threading.Thread(target=lambda: asyncio.run(main()))
+    loop_thread = threading.Thread(target=lambda: asyncio.run(main()), daemon=True)
     loop_thread.start()
     try:
         assert ready.wait(30)
@@ -55,6 +55,7 @@ def test_a_blocked_loop_does_not_answer_and_a_running_one_does() -> None:
         with pytest.raises((TimeoutError, urllib.error.URLError)):
             urllib.request.urlopen(f"http://127.0.0.1:{port}/livez", timeout=1.0)
     finally:
+        block.set()  # an assertion above failed before it: the loop must not wait on it forever
         release.set()
         loop_thread.join(30)
     assert after == [200]  # running again: alive again
