@@ -1,7 +1,9 @@
 """Liveness answered by the event loop itself: ``GET /livez`` on ``XIDFLOW_HEALTH_PORT``.
 
 It also fails while a stage registered in :data:`pipeline.liveness.LIVENESS` has stopped making progress
-(the parse stage, the aggregation agent), the same answer as ``/healthz`` on the metrics port.
+(the parse stage, the aggregation agent). ``GET /healthz`` on the same port (the readiness probe) answers
+the same and also fails while a stage reports a fault only an operator can fix (a partition held at a
+record batch it cannot decode): a restart would not fix that and would stop the partitions that flow.
 
 ``/metrics`` is served from a thread (prometheus_client), so it keeps answering while the asyncio
 loop that does the work is stuck. This endpoint is an asyncio server on the work loop: a blocked
@@ -60,11 +62,14 @@ class Heartbeat:
         try:
             request = await asyncio.wait_for(reader.readline(), 5)
             path = request.split(b" ")[1] if request.count(b" ") >= 2 else b""
-            if path.split(b"?")[0] != b"/livez":
+            path = path.split(b"?")[0]
+            if path not in (b"/livez", b"/healthz"):
                 status, body = b"404 Not Found", b"not found\n"
             elif self.lag() > self.max_lag_s:
                 status, body = b"503 Service Unavailable", f"event loop lag {self.lag():.1f}s\n".encode()
-            elif not (progress := LIVENESS.check())[0]:  # a loop that runs but a stage that stopped progressing
+            # A loop that runs but a stage that stopped progressing; /healthz (readiness) also reports what
+            # only an operator fixes (a partition held at an undecodable batch), which a restart would not.
+            elif not (progress := LIVENESS.check(faults=path == b"/healthz"))[0]:
                 status, body = b"503 Service Unavailable", ("; ".join(progress[1]) + "\n").encode()
             else:
                 status, body = b"200 OK", b"ok\n"

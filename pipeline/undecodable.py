@@ -12,7 +12,7 @@ record iterator, ``PartitionRecords._unpack_records``, holds both); ``Undecodabl
 
 - **unsupported codec -> hold.** The data is fine; the fix is installing the library. The partition
   is read up to the batch and paused there: nothing of it is committed past, the other partitions
-  keep flowing, liveness is red, and the restarted worker (with the library) reads it from there.
+  keep flowing, /healthz (readiness) is red, and the restarted worker (with the library) reads it from there.
 - **anything else (corrupt) -> skip, with a dead-letter marker.** Such a batch can never be decoded,
   whoever reads it. After a second failure at the same offset (one re-fetch rules out a transient
   fault) a dead letter names the topic, partition, offset range and reason, and the partition goes on
@@ -69,7 +69,7 @@ class Failure:
         where = f"{self.topic}[{self.partition}] offset {self.offsets}"
         if self.reason is Reason.UNSUPPORTED_CODEC:
             todo = ("partition HELD at this offset (nothing committed past it; other partitions keep flowing; "
-                    "/livez is red): install the codec library the project declares (pip install "
+                    "/healthz is red): install the codec library the project declares (pip install "
                     "'aiokafka[lz4,snappy,zstd]', i.e. cramjam) in the worker's image and restart it; "
                     "it re-reads from here, nothing is lost")
         elif action is Action.SKIP:

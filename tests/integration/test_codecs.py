@@ -214,9 +214,10 @@ async def test_lz4_without_its_library_is_held_loudly_and_read_after_the_fix(
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_CRAMJAM)
-    port = free_port()
+    port, probe_port = free_port(), free_port()  # metrics; the chart's liveness and readiness probes
     broken = Worker(kafka_bootstrap, app_id, prefix, tmp_path,
-                    extra_env={"PYTHONPATH": str(site), "XIDFLOW_METRICS_PORT": str(port)}).start()
+                    extra_env={"PYTHONPATH": str(site), "XIDFLOW_METRICS_PORT": str(port),
+                               "XIDFLOW_HEALTH_PORT": str(probe_port)}).start()
     held_nodes = [f"held-{i}-{uuid.uuid4().hex[:6]}" for i in range(3)]
     before_node = f"before-{uuid.uuid4().hex[:6]}"  # plain, on the held partition, before the lz4 batch
     plain_nodes = {p: f"plain-{p}-{uuid.uuid4().hex[:6]}" for p in range(1, PARTITIONS)}
@@ -273,6 +274,7 @@ async def test_lz4_without_its_library_is_held_loudly_and_read_after_the_fix(
             assert "Libraries for lz4" in _healthz_body(port)
             # Not a liveness failure: a kubelet restart cannot install the library and would stop the rest.
             assert _get(port, "/livez") == "ok\n"
+            assert healthz(probe_port) == 503 and _get(probe_port, "/livez") == "ok\n"  # what the probes read
             exported = _get(port, "/metrics")
             assert _metric(exported, "xidflow_held_partitions", stage="parse", topic=raw_topic) == 1
             assert _metric(exported, "xidflow_undecodable_batches_total", stage="parse", topic=raw_topic,

@@ -93,3 +93,25 @@ def test_a_busy_port_does_not_stop_the_work() -> None:
         s.listen(1)
         busy = HealthSettings(port=s.getsockname()[1], addr="127.0.0.1")
         asyncio.run(asyncio.wait_for(heartbeat.serve(busy), 5))  # returns: warned, not raised
+
+
+def test_a_held_partition_fails_readiness_not_liveness() -> None:
+    """The probes the chart wires to this port: /healthz (readiness) red on a fault, /livez (liveness) not."""
+    from pipeline.liveness import LIVENESS
+
+    port = free_port()
+    stage = LIVENESS.component("unit-held-stage", stall_after_s=60)
+    stage.fault("raw[3]", "undecodable record batch at raw[3] offset 7-9: lz4 library missing")
+
+    async def main() -> tuple[int, int, int]:
+        server = asyncio.create_task(heartbeat.serve(HealthSettings(port=port, addr="127.0.0.1")))
+        await asyncio.sleep(0.2)
+        statuses = (await asyncio.to_thread(get, port, "/livez"), await asyncio.to_thread(get, port, "/healthz"),
+                    await asyncio.to_thread(get, port, "/metrics"))
+        server.cancel()
+        return statuses
+
+    try:
+        assert asyncio.run(main()) == (200, 503, 404)
+    finally:
+        LIVENESS.remove("unit-held-stage")
