@@ -29,7 +29,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from pipeline import kafka_clients
 from pipeline.aggregation import AggregationSettings
 from pipeline.group_membership import faust_consumer, leave_on_close
-from pipeline.parse_stage import ParseSettings, ParseStage
+from pipeline.parse_stage import PRODUCER_BATCH_BYTES, ParseSettings, ParseStage
 from pipeline.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
@@ -175,6 +175,9 @@ def create_app(
         table_standby_replicas=0,
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
+        # Incidents and changelog records: a full 16 KiB batch made the agent wait for acknowledgements
+        # one round trip at a time in a burst (``pipeline.parse_stage.PRODUCER_BATCH_BYTES``).
+        producer_max_batch_size=PRODUCER_BATCH_BYTES,
         # Both groups of the worker (Faust's and the parse stage's) use the same membership settings.
         consumer_group_instance_id=group.instance_id or None,
         broker_session_timeout=group.session_timeout_s,
@@ -362,5 +365,3 @@ class ParseService(mode.Service):
                 await asyncio.wait_for(self._run_task, timeout=15)
             except (TimeoutError, asyncio.CancelledError):
                 self._run_task.cancel()
-
-

@@ -399,7 +399,9 @@ async def run_scenario(
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
-        stages = stage_split(prefix, sent, await incident_times(world), watch.tainted)
+        stages = stage_split(
+            prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
+        )
         return {**summarize(prefix, latencies, len(sent)), **stages, **extra}
     finally:
         if watch is not None:
@@ -408,11 +410,14 @@ async def run_scenario(
         await world.teardown()
 
 
-async def incident_times(world: World, limit_s: float = 30) -> dict[str, float]:
-    """node -> when the worker produced the node's first incident (the record's timestamp, seconds)."""
+async def incident_times(world: World, name: str = "incidents", limit_s: float = 30) -> dict[str, float]:
+    """node -> when the worker produced the node's first record on topic ``name`` (its timestamp, seconds).
+
+    ``incidents``: the aggregation's output; ``fault_events``: the parse stage's.
+    """
     from aiokafka import TopicPartition
 
-    topic = world.topics.name("incidents")
+    topic = world.topics.name(name)
     consumer = kafka_clients.consumer(
         bootstrap=world.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False, group_id=None
     )
@@ -434,13 +439,25 @@ async def incident_times(world: World, limit_s: float = 30) -> dict[str, float]:
 
 
 def stage_split(
-    prefix: str, sent: dict[str, float], incident: dict[str, float], tainted: dict[str, float]
+    prefix: str,
+    sent: dict[str, float],
+    incident: dict[str, float],
+    tainted: dict[str, float],
+    fault: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API)."""
+    """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API).
+
+    With ``fault`` (node -> its fault event's timestamp) the worker's share is split too: line -> fault
+    event produced (``parse``), fault event -> incident produced (``aggregate``).
+    """
+    fault = fault or {}
     worker = sorted((incident[n] - t) * 1000 for n, t in sent.items() if n in incident)
     actuator = sorted((tainted[n] - incident[n]) * 1000 for n in sent if n in incident and n in tainted)
+    parse = sorted((fault[n] - t) * 1000 for n, t in sent.items() if n in fault)
+    aggregate = sorted((incident[n] - fault[n]) * 1000 for n in sent if n in fault and n in incident)
     out: dict[str, Any] = {}
-    for name, values in (("worker", worker), ("actuator", actuator)):
+    stages = (("worker", worker), ("actuator", actuator), ("parse", parse), ("aggregate", aggregate))
+    for name, values in stages:
         if values:
             out[f"{prefix}_{name}_p50_ms"] = round(percentile(values, 0.50), 1)
             out[f"{prefix}_{name}_p99_ms"] = round(percentile(values, 0.99), 1)
