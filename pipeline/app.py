@@ -28,6 +28,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import kafka_clients
 from pipeline.aggregation import AggregationSettings
+from pipeline.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.group_membership import faust_consumer, leave_on_close
 from pipeline.parse_stage import PRODUCER_BATCH_BYTES, ParseSettings, ParseStage
 from pipeline.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
@@ -123,6 +124,14 @@ class WorkerSettings(BaseSettings):
     )
     aggregate_within_s: float = Field(
         default=0.01, gt=0, le=60.0, description="Default 0.01. Longest wait to fill an aggregation batch."
+    )
+    fetch_max_wait_ms: int = Field(
+        default=FETCH_MAX_WAIT_MS,
+        ge=1,
+        le=10_000,
+        description="Default 50. How long a fetch of the aggregation's consumer waits on the broker for data "
+        "(Faust's own: 1500). A partition drained while such a long poll is in flight waits for it: in a "
+        "burst, for up to that long (1 to 10000).",
     )
     web_port: int | None = Field(
         default=None, ge=0, le=65535, description="Default none. Prometheus metrics port."
@@ -245,7 +254,11 @@ def create_app(
         aggregate_agent.register(xapp)
         from pipeline import fetch_watchdog
 
-        fetch_watchdog.install(xapp.app, {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()})
+        fetch_watchdog.install(
+            xapp.app,
+            {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()},
+            fetch_max_wait_ms=settings.fetch_max_wait_ms,
+        )
         install_aggregation_liveness(xapp)
     return xapp
 

@@ -118,6 +118,13 @@ class ParseSettings(BaseSettings):
         description="Default 16 MiB. Consumer fetch_max_bytes (1 MiB to 1 GiB): with max_records, what one "
         "batch may hold in memory (20000 log lines are ~4 MB).",
     )
+    fetch_max_wait_ms: int = Field(
+        default=50,
+        ge=1,
+        le=10_000,
+        description="Default 50. How long one fetch waits on the broker for data (aiokafka: 500). A partition "
+        "drained while such a long poll is in flight is fetched again only when it returns (1 to 10000).",
+    )
     max_partition_fetch_bytes: int = Field(
         default=4 << 20,
         ge=1 << 20,
@@ -629,6 +636,7 @@ class ParseStage:
             auto_offset_reset="earliest",
             fetch_max_bytes=s.fetch_max_bytes,
             max_partition_fetch_bytes=s.max_partition_fetch_bytes,
+            fetch_max_wait_ms=s.fetch_max_wait_ms,
             **self.group.consumer_options(),
         )
         producer = kafka_clients.producer(
