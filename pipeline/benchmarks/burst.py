@@ -352,11 +352,14 @@ async def run_scenario(
     disrupt: Disruption | None = None,
     pace_until_done: bool = False,
     progress: Callable[[str, float, float], None] = lambda t, d, n: None,
+    baseline: bool = False,
 ) -> dict[str, Any]:
     """Run one scenario; return its figures under ``<prefix>_*`` keys.
 
     ``disrupt`` runs right after the burst is handed to the producer (or, with ``pace_until_done``,
-    while lines are paced out, one node at a time, until it returns).
+    while lines are paced out, one node at a time, until it returns). ``baseline``: afterwards, with the
+    scenario's processes still up (idle), a bare client writes the same taints to N other nodes
+    (``bare_client_baseline``).
     """
     world = World(bootstrap, kubeconfig, nodes, partitions, workers=workers)
     producer = kafka_clients.producer(bootstrap, acks=1, linger_ms=5)
@@ -402,12 +405,51 @@ async def run_scenario(
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
         )
-        return {**summarize(prefix, latencies, len(sent)), **stages, **extra}
+        out = {**summarize(prefix, latencies, len(sent)), **stages, **extra}
+        if baseline:
+            progress(f"{prefix}: bare client", 0, 1)
+            out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
+            progress(f"{prefix}: bare client", 1, 1)
+        return out
     finally:
         if watch is not None:
             watch.stop()
         await producer.stop()
         await world.teardown()
+
+
+async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) -> dict[str, Any]:
+    """The API server's own time for the scenario's N taints, measured in the same run.
+
+    A bare client (``pipeline.benchmarks.storm.raw_quarantine_rate``: per node the read and the
+    conditional cordon + taint patch the actuator makes) quarantines N fresh nodes outside the
+    actuators' selector, with the concurrency of all the scenario's actuators together. Keys:
+    ``<prefix>_raw_ms`` (its time for the N writes), ``<prefix>_raw_nodes_per_s`` and
+    ``<prefix>_vs_raw_ratio`` = the scenario's p99 / ``<prefix>_raw_ms`` (1.0: the pipeline adds
+    nothing to the API server's own time).
+    """
+    from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.benchmarks.storm import raw_quarantine_rate
+
+    concurrency = ActuatorSettings().api_concurrency * world.actuators
+    names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
+    await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
+    kube = Kube.from_config(world.kubeconfig, concurrency)
+    try:
+        rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
+    finally:
+        kube.close()
+        with contextlib.suppress(Exception):
+            await delete_nodes(world.kube, names)
+    raw_ms = world.nodes / rate * 1000
+    out: dict[str, Any] = {
+        f"{prefix}_raw_ms": round(raw_ms, 1),
+        f"{prefix}_raw_nodes_per_s": round(rate, 1),
+        f"{prefix}_raw_concurrency": concurrency,
+    }
+    if p99_ms is not None:
+        out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
+    return out
 
 
 async def incident_times(world: World, name: str = "incidents", limit_s: float = 30) -> dict[str, float]:
@@ -495,7 +537,7 @@ async def rolling_restart(world: World) -> dict[str, Any]:
 
 async def burst(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
     kw = {"progress": progress} if progress else {}
-    return await run_scenario(bootstrap, kubeconfig, nodes, "burst", **kw)
+    return await run_scenario(bootstrap, kubeconfig, nodes, "burst", baseline=True, **kw)
 
 
 async def failover(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
