@@ -3,8 +3,10 @@
 Thin: the rules are ``pipeline.aggregation.Aggregator``. The agent takes events in batches
 (``take_events``), applies them node by node in offset order, sends the incidents, waits until the
 broker has them, and only then writes each touched node's state to the table (one changelog record
-per node per batch, not one per event), and waits until the changelog has them before the batch is
-acknowledged (Faust does not flush before it commits). A batch the agent does not finish is handed
+per node per batch, not one per event; ``NodeStateTable.write``), and waits until the changelog has
+them before the batch is acknowledged (Faust does not flush before it commits). Incidents, dead
+letters and states go straight to the producer and are acknowledged together: two broker round
+trips per batch, whatever its size. A batch the agent does not finish is handed
 back to the consumer (``pipeline.fetch_watchdog.GuardedConsumer.unprocessed``): never committed
 past, read again. A crash therefore either replays events whose state was not written (the same incidents,
 same ids and revisions, are sent again: at-least-once) or events whose state was written (the
@@ -80,6 +82,7 @@ async def _apply_batch(
     """Apply one batch: incidents sent and acknowledged by the broker, then the node states written."""
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
+    incidents_topic = xapp.incidents.get_topic_name()
     for event in events:
         key = event.message.key
         if not key:
@@ -110,8 +113,10 @@ async def _apply_batch(
             outputs += out
         new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
         for record in outputs:
-            # force: bypass Faust "attachments" (held until the source offset commits; lost on a crash)
-            deliveries.append(await xapp.incidents.send(key=key, value=record.to_bytes(), force=True))
+            # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
+            # its "attachments") waits for the broker's acknowledgement of each record before it
+            # returns, one round trip per incident; here they are all awaited together below.
+            deliveries.append(await _send(xapp, incidents_topic, key, record.to_bytes()))
             _observe(record, now)
     # The state is written only after the broker has the incidents (and dead letters): a crash in
     # between replays the events and sends the same incidents again (same ids), never loses one
@@ -119,10 +124,15 @@ async def _apply_batch(
     # committed) only after the state is on the changelog too: a commit never outruns the state.
     if deliveries:
         await asyncio.gather(*deliveries)
-    for key, value, partition in new_states:
-        table.put(key, value, partition)
-    if new_states:
-        await xapp.app.producer.flush()
+    await table.write(new_states)
+
+
+async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:
+    """Hand one record to the worker's producer; returns its delivery (the broker's acknowledgement).
+
+    Partitioned by key like Faust's own send (the client's default partitioner).
+    """
+    return await xapp.app.producer.send(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
 def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
@@ -143,4 +153,4 @@ async def _dead(xapp: XidflowApp, event: Any, reason: str, code: DeadLetterCode)
         STAGE, reason, msg.value, code, topic=msg.topic, partition=msg.partition, offset=msg.offset, key=key
     )
     _DEAD_LETTERS.report(letter)
-    return await xapp.deadletter.send(key=msg.key, value=letter.to_bytes(), force=True)
+    return await _send(xapp, xapp.deadletter.get_topic_name(), msg.key, letter.to_bytes())

@@ -352,11 +352,14 @@ async def run_scenario(
     disrupt: Disruption | None = None,
     pace_until_done: bool = False,
     progress: Callable[[str, float, float], None] = lambda t, d, n: None,
+    baseline: bool = False,
 ) -> dict[str, Any]:
     """Run one scenario; return its figures under ``<prefix>_*`` keys.
 
     ``disrupt`` runs right after the burst is handed to the producer (or, with ``pace_until_done``,
-    while lines are paced out, one node at a time, until it returns).
+    while lines are paced out, one node at a time, until it returns). ``baseline``: afterwards, with the
+    scenario's processes still up (idle), a bare client writes the same taints to N other nodes
+    (``bare_client_baseline``).
     """
     world = World(bootstrap, kubeconfig, nodes, partitions, workers=workers)
     producer = kafka_clients.producer(bootstrap, acks=1, linger_ms=5)
@@ -399,8 +402,15 @@ async def run_scenario(
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
-        stages = stage_split(prefix, sent, await incident_times(world), watch.tainted)
-        return {**summarize(prefix, latencies, len(sent)), **stages, **extra}
+        stages = stage_split(
+            prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
+        )
+        out = {**summarize(prefix, latencies, len(sent)), **stages, **extra}
+        if baseline:
+            progress(f"{prefix}: bare client", 0, 1)
+            out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
+            progress(f"{prefix}: bare client", 1, 1)
+        return out
     finally:
         if watch is not None:
             watch.stop()
@@ -408,11 +418,48 @@ async def run_scenario(
         await world.teardown()
 
 
-async def incident_times(world: World, limit_s: float = 30) -> dict[str, float]:
-    """node -> when the worker produced the node's first incident (the record's timestamp, seconds)."""
+async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) -> dict[str, Any]:
+    """The API server's own time for the scenario's N taints, measured in the same run.
+
+    A bare client (``pipeline.benchmarks.storm.raw_quarantine_rate``: per node the read and the
+    conditional cordon + taint patch the actuator makes) quarantines N fresh nodes outside the
+    actuators' selector, with the concurrency of all the scenario's actuators together. Keys:
+    ``<prefix>_raw_ms`` (its time for the N writes), ``<prefix>_raw_nodes_per_s`` and
+    ``<prefix>_vs_raw_ratio`` = the scenario's p99 / ``<prefix>_raw_ms`` (1.0: the pipeline adds
+    nothing to the API server's own time).
+    """
+    from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.benchmarks.storm import raw_quarantine_rate
+
+    concurrency = ActuatorSettings().api_concurrency * world.actuators
+    names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
+    await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
+    kube = Kube.from_config(world.kubeconfig, concurrency)
+    try:
+        rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
+    finally:
+        kube.close()
+        with contextlib.suppress(Exception):
+            await delete_nodes(world.kube, names)
+    raw_ms = world.nodes / rate * 1000
+    out: dict[str, Any] = {
+        f"{prefix}_raw_ms": round(raw_ms, 1),
+        f"{prefix}_raw_nodes_per_s": round(rate, 1),
+        f"{prefix}_raw_concurrency": concurrency,
+    }
+    if p99_ms is not None:
+        out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
+    return out
+
+
+async def incident_times(world: World, name: str = "incidents", limit_s: float = 30) -> dict[str, float]:
+    """node -> when the worker produced the node's first record on topic ``name`` (its timestamp, seconds).
+
+    ``incidents``: the aggregation's output; ``fault_events``: the parse stage's.
+    """
     from aiokafka import TopicPartition
 
-    topic = world.topics.name("incidents")
+    topic = world.topics.name(name)
     consumer = kafka_clients.consumer(
         bootstrap=world.bootstrap, auto_offset_reset="earliest", enable_auto_commit=False, group_id=None
     )
@@ -434,13 +481,25 @@ async def incident_times(world: World, limit_s: float = 30) -> dict[str, float]:
 
 
 def stage_split(
-    prefix: str, sent: dict[str, float], incident: dict[str, float], tainted: dict[str, float]
+    prefix: str,
+    sent: dict[str, float],
+    incident: dict[str, float],
+    tainted: dict[str, float],
+    fault: dict[str, float] | None = None,
 ) -> dict[str, Any]:
-    """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API)."""
+    """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API).
+
+    With ``fault`` (node -> its fault event's timestamp) the worker's share is split too: line -> fault
+    event produced (``parse``), fault event -> incident produced (``aggregate``).
+    """
+    fault = fault or {}
     worker = sorted((incident[n] - t) * 1000 for n, t in sent.items() if n in incident)
     actuator = sorted((tainted[n] - incident[n]) * 1000 for n in sent if n in incident and n in tainted)
+    parse = sorted((fault[n] - t) * 1000 for n, t in sent.items() if n in fault)
+    aggregate = sorted((incident[n] - fault[n]) * 1000 for n in sent if n in fault and n in incident)
     out: dict[str, Any] = {}
-    for name, values in (("worker", worker), ("actuator", actuator)):
+    stages = (("worker", worker), ("actuator", actuator), ("parse", parse), ("aggregate", aggregate))
+    for name, values in stages:
         if values:
             out[f"{prefix}_{name}_p50_ms"] = round(percentile(values, 0.50), 1)
             out[f"{prefix}_{name}_p99_ms"] = round(percentile(values, 0.99), 1)
@@ -478,7 +537,7 @@ async def rolling_restart(world: World) -> dict[str, Any]:
 
 async def burst(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
     kw = {"progress": progress} if progress else {}
-    return await run_scenario(bootstrap, kubeconfig, nodes, "burst", **kw)
+    return await run_scenario(bootstrap, kubeconfig, nodes, "burst", baseline=True, **kw)
 
 
 async def failover(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:

@@ -18,7 +18,9 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
 - ``burst``, ``failover``, ``rolling``: kernel line to taint with real worker and actuator processes
   (``pipeline.benchmarks.burst``): ``burst_p50_ms``/``_p99_ms``/``_max_ms``,
   ``failover_actuator_p99_ms``, ``failover_worker_p99_ms`` (with ``_over_5s`` counts) and
-  ``rolling_p99_ms``.
+  ``rolling_p99_ms``; each split into ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
+  The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
+  and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.
 """
 
 from __future__ import annotations

@@ -1,0 +1,83 @@
+"""How the worker hands records to Kafka: node states written changelog-first, short fetch waits.
+
+No broker: a fake producer stands in for Faust's (its ``send`` returns the delivery future, as
+aiokafka's does), and the consumer thread's client factory is replaced.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import types
+
+import pytest
+
+from pipeline import fetch_watchdog
+from pipeline.app import WorkerSettings, create_app
+
+
+class FakeProducer:
+    def __init__(self) -> None:
+        self.sent: list[tuple[str, bytes, bytes, int | None, asyncio.Future]] = []
+
+    async def send(self, topic, key, value, partition, timestamp, headers):  # noqa: ANN001, ANN201
+        future = asyncio.get_running_loop().create_future()
+        self.sent.append((topic, key, value, partition, future))
+        return future
+
+
+def _app() -> tuple[object, FakeProducer]:
+    xapp = create_app("127.0.0.1:1")
+    producer = FakeProducer()
+    xapp.app.producer = producer
+    return xapp, producer
+
+
+def test_node_state_reaches_the_store_only_after_the_changelog_has_it() -> None:
+    xapp, producer = _app()
+    table = xapp.node_state
+
+    async def main() -> None:
+        write = asyncio.ensure_future(table.write([(b"node-a", b"state-1", 3), (b"node-b", b"state-2", 5)]))
+        await asyncio.sleep(0)
+        # Both records are on their way at once, raw, to the partition named (that of the node's events).
+        assert [(t, k, v, p) for t, k, v, p, _ in producer.sent] == [
+            ("xidflow-node-state-changelog", b"node-a", b"state-1", 3),
+            ("xidflow-node-state-changelog", b"node-b", b"state-2", 5),
+        ]
+        assert table.get(b"node-a") is None and not write.done()
+        producer.sent[0][4].set_result(None)
+        await asyncio.sleep(0)
+        assert table.get(b"node-a") is None  # not before every record of the batch is acknowledged
+        producer.sent[1][4].set_result(None)
+        await write
+        assert table.get(b"node-a") == b"state-1" and table.get(b"node-b") == b"state-2"
+
+    asyncio.run(main())
+
+
+def test_a_changelog_write_that_fails_fails_the_batch_and_leaves_the_store() -> None:
+    xapp, producer = _app()
+    table = xapp.node_state
+
+    async def main() -> None:
+        write = asyncio.ensure_future(table.write([(b"node-a", b"state-1", 0)]))
+        await asyncio.sleep(0)
+        producer.sent[0][4].set_exception(RuntimeError("broker gone"))
+        with pytest.raises(RuntimeError):
+            await write
+        assert table.get(b"node-a") is None  # a re-read batch recomputes from the state before it
+
+    asyncio.run(main())
+
+
+def test_worker_consumers_long_poll_briefly(monkeypatch: pytest.MonkeyPatch) -> None:
+    xapp = create_app("127.0.0.1:1", settings=WorkerSettings(fetch_max_wait_ms=20))
+    consumer_class = xapp.app.transport.Consumer
+    assert consumer_class.fetch_max_wait_ms == 20
+    made = types.SimpleNamespace(_fetch_max_wait_ms=1500)  # Faust's hard-coded wait
+    monkeypatch.setattr(
+        fetch_watchdog.faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: made
+    )
+    thread = object.__new__(fetch_watchdog._ConsumerThread)
+    thread.consumer = types.SimpleNamespace(fetch_max_wait_ms=consumer_class.fetch_max_wait_ms)
+    assert thread._create_worker_consumer(None)._fetch_max_wait_ms == 20
