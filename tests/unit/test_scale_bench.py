@@ -53,9 +53,13 @@ def test_fleet_nodes_are_registered_as_a_kubelet_would_with_gpus() -> None:
 def test_ratios_say_how_costs_grow_per_node() -> None:
     r = ratios({
         "scale_fleet": 10_004, "scale_base_fleet": 504,
-        "scale_burst_p99_ms": 3300.0, "scale_base_burst_p99_ms": 3000.0, "scale_raw_burst_ms": 3000.0,
+        "scale_burst_p99_ms": 3300.0, "scale_raw_burst_ms": 3000.0,
+        "scale_base_burst_p99_ms": 2000.0, "scale_base2_burst_p99_ms": 4000.0,
+        "scale_base_raw_burst_ms": 1000.0, "scale_base2_raw_burst_ms": 4000.0,
         "scale_steady_s": 60.0, "scale_base_steady_s": 3.0,
     })
     assert r["scale_burst_vs_base_ratio"] == 1.1 and r["scale_burst_vs_raw_ratio"] == 1.1
+    assert r["scale_base_burst_vs_raw_ratio"] == 1.5 and r["scale_burst_vs_base_raw_normalized"] == round(1.1 / 1.5, 3)
     assert r["scale_steady_s_growth_per_node"] == round(20.0 / round(10_004 / 504, 3), 3)
-    assert r["scale_status_s_growth_per_node"] is None and r["scale_base_burst_vs_raw_ratio"] is None
+    assert r["scale_status_s_growth_per_node"] is None
+    assert ratios({"scale_burst_p99_ms": 1.0})["scale_burst_vs_base_ratio"] is None
