@@ -174,10 +174,18 @@ class NodeWatch:
             self.tainted[name] = now
 
     def stop(self) -> None:
+        """Stop at once. Closing the response waits until the reading thread's read returns: on a quiet
+        watch that is the next bookmark, up to a minute later, and the caller's event loop stood still
+        meanwhile (py-spy: the scale bench's steady state read 65 s at 10,000 nodes, 30 s of it here).
+        So the close happens on a thread of its own."""
         self._stop.set()
-        with contextlib.suppress(Exception):
-            if self._resp is not None:
-                self._resp.close()
+        if self._resp is not None:
+            threading.Thread(target=_close_quietly, args=(self._resp,), name="bench-watch-close", daemon=True).start()
+
+
+def _close_quietly(resp: Any) -> None:
+    with contextlib.suppress(Exception):
+        resp.close()
 
 
 def _condition_types(node: dict[str, Any]) -> set[str]:
