@@ -123,7 +123,7 @@ class Reconciler:
         self._watch = NodeWatch(kube, node_selector, self._post)
         self._resync: asyncio.Task[None] | None = None
         self.resumed = 0
-        self.baseline = BaselineConditions(kube, engine.settings)
+        self.baseline = BaselineConditions(kube, engine.settings, owns=self.owns, current=lambda n: self.nodes.get(n))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
