@@ -119,6 +119,7 @@ class Actuator:
         self.reconciler = Reconciler(self.engine, self.kube, s.gpu_node_selector, s.resync_seconds)
         self.consumer.on_assigned = self.reconciler.assign
         self.engine.writer.peek = lambda name: self.reconciler.nodes.get(name)  # writes start from the watch cache
+        self.breaker.cache = self.reconciler.fleet_snapshot  # the breaker counts the fleet from the watch too
         self._given_policies = policies is not None
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from pipeline.actuator import conditions
@@ -40,8 +41,19 @@ def missing(view: NodeView, now: str) -> list[dict[str, Any]]:
 class BaselineConditions:
     """Adds the missing own conditions to the nodes it is shown, one patch per node, a few nodes at a time."""
 
-    def __init__(self, kube: Kube, settings: ActuatorSettings, concurrency: int = 8) -> None:
+    def __init__(
+        self,
+        kube: Kube,
+        settings: ActuatorSettings,
+        concurrency: int = 8,
+        owns: Callable[[str], bool] | None = None,
+        current: Callable[[str], NodeView | None] | None = None,
+    ) -> None:
         self.kube, self.settings = kube, settings
+        self.owns = owns
+        """Whether this replica still owns the node when its turn comes (None: always)."""
+        self.current = current
+        """The node as the watch sees it now (None from it: the node is gone)."""
         self._slots = asyncio.Semaphore(concurrency)
         self._pending: dict[str, asyncio.Task[None]] = {}
         self.written = 0
@@ -64,6 +76,18 @@ class BaselineConditions:
     async def _ensure(self, view: NodeView) -> None:
         try:
             async with self._slots:
+                # A start queues every owned node, and the group usually rebalances right after: the first
+                # replica to join owned the whole fleet for a moment. Looked at again when its turn comes, a
+                # node another replica now owns (or already wrote) costs nothing here; written from the list's
+                # old view it cost a conflict and a read, and the fleet reached steady state only when this
+                # replica had gone through all of it (65 s at 10,000 nodes with 2 replicas).
+                if self.owns is not None and not self.owns(view.name):
+                    return
+                if self.current is not None:
+                    latest = self.current(view.name)
+                    if latest is None:
+                        return
+                    view = latest
                 await self._write(view)
         except NotFound:
             pass  # the node is gone

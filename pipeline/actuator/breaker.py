@@ -117,8 +117,10 @@ def decide_admissions(
     state["admitted"] = admitted
     fleet = max(fleet_size, 1)
     out: dict[str, Admission] = {}
+    # One set, grown as nodes are admitted: a fresh union per node made a burst of b nodes on a fleet
+    # with q quarantined cost b x q (seconds for a large burst on a large fleet).
+    counted = set(admitted) | quarantined_now
     for node in nodes:
-        counted = admitted.keys() | quarantined_now
         if state.get("tripped"):
             out[node] = Admission(False, f"breaker open: {state.get('reason', '')}")
         elif node in counted:
@@ -135,6 +137,7 @@ def decide_admissions(
             out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
         else:
             admitted[node] = now
+            counted.add(node)
             out[node] = Admission(True)
     return out
 
@@ -158,12 +161,20 @@ class Breaker:
         self.fleet_cache_seconds = fleet_cache_seconds
         self.on_trip = on_trip
         self._fleet: tuple[float, int, frozenset[str]] | None = None
+        self.cache: Callable[[], tuple[int, frozenset[str]] | None] | None = None
+        """(GPU nodes, those quarantined by xidflow) kept by a list+watch of the same selector (the
+        actuator's reconciler), None until it has listed. Admissions count the fleet from it instead of
+        listing every node again: at 10,000 nodes that list is 20 pages parsed on the event loop, in the
+        middle of the burst that asked. ``fresh`` reads (status, reset) still list."""
         self._pending: list[tuple[str, asyncio.Future[Admission]]] = []
         self._flusher: asyncio.Task[None] | None = None
 
     async def fleet_snapshot(self, fresh: bool = False) -> tuple[int, frozenset[str]]:
         """GPU nodes in the fleet, and those xidflow has quarantined now (cached ``fleet_cache_seconds``)."""
         now = time.monotonic()
+        cached = None if fresh or self.cache is None else self.cache()
+        if cached is not None:
+            return cached
         if fresh or self._fleet is None or now - self._fleet[0] > self.fleet_cache_seconds:
             nodes = await self.kube.list_nodes(self.fleet_selector)
             quarantined = frozenset(n["metadata"]["name"] for n in nodes if quarantined_by_xidflow(n))

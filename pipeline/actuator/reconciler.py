@@ -22,6 +22,7 @@ from aiokafka.partitioner import murmur2
 from kubernetes.watch.watch import iter_resp_lines
 
 from pipeline.actuator.baseline_conditions import BaselineConditions
+from pipeline.actuator.breaker import quarantined_by_xidflow
 from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.nodeview import NodeView
@@ -107,7 +108,14 @@ class Reconciler:
         self.resync_seconds = resync_seconds
         self.partitions: set[int] = set()
         self.partition_count = 0
+        self._partition_of: dict[str, int] = {}
+        """node -> its partition for ``partition_count``: murmur2 is pure Python, and every resync asks
+        for every node of the fleet (at 10,000 nodes most of a resync's CPU was hashing the same names)."""
         self.nodes: dict[str, NodeView] = {}
+        self.quarantined: set[str] = set()
+        """Nodes of ``nodes`` carrying xidflow's quarantine (``breaker.quarantined_by_xidflow``), kept per event."""
+        self.synced = False
+        """The watch has listed once: ``nodes`` is the fleet."""
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._again: set[str] = set()
         self._timers: dict[str, asyncio.TimerHandle] = {}
@@ -115,7 +123,7 @@ class Reconciler:
         self._watch = NodeWatch(kube, node_selector, self._post)
         self._resync: asyncio.Task[None] | None = None
         self.resumed = 0
-        self.baseline = BaselineConditions(kube, engine.settings)
+        self.baseline = BaselineConditions(kube, engine.settings, owns=self.owns, current=lambda n: self.nodes.get(n))
 
     # -- lifecycle ----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,12 +144,19 @@ class Reconciler:
     # -- ownership ----------------------------------------------------------------------------------------
     def assign(self, partitions: set[int], partition_count: int) -> None:
         """The incident partitions this replica now owns: pick up every node of them with an open flow."""
+        if partition_count != self.partition_count:
+            self._partition_of.clear()
         self.partitions, self.partition_count = set(partitions), partition_count
         for name in list(self.nodes):
             self._consider(name)
 
     def owns(self, node: str) -> bool:
-        return bool(self.partition_count) and partition_of(node, self.partition_count) in self.partitions
+        if not self.partition_count:
+            return False
+        partition = self._partition_of.get(node)
+        if partition is None:
+            partition = self._partition_of[node] = partition_of(node, self.partition_count)
+        return partition in self.partitions
 
     # -- events -------------------------------------------------------------------------------------------
     def _post(self, kind: str, obj: dict[str, Any]) -> None:
@@ -150,16 +165,29 @@ class Reconciler:
 
     def _on_event(self, kind: str, obj: dict[str, Any]) -> None:
         if kind == "LIST":
-            self.nodes = {v.name: v for v in (NodeView.from_object(o) for o in obj.get("items") or [])}
+            items = obj.get("items") or []
+            self.nodes = {v.name: v for v in (NodeView.from_object(o) for o in items)}
+            self.quarantined = {o["metadata"]["name"] for o in items if quarantined_by_xidflow(o)}
+            self.synced = True
             for name in list(self.nodes):
                 self._consider(name)
             return
         view = NodeView.from_object(obj)
         if kind == "DELETED":
             self.nodes.pop(view.name, None)
+            self.quarantined.discard(view.name)
+            self._partition_of.pop(view.name, None)
             return
         self.nodes[view.name] = view
+        if quarantined_by_xidflow(obj):
+            self.quarantined.add(view.name)
+        else:
+            self.quarantined.discard(view.name)
         self._consider(view.name)
+
+    def fleet_snapshot(self) -> tuple[int, frozenset[str]] | None:
+        """(GPU nodes, those xidflow quarantined) from the watch; None before the first list (the breaker's cache)."""
+        return (len(self.nodes), frozenset(self.quarantined)) if self.synced else None
 
     async def _resync_loop(self) -> None:
         while True:
@@ -169,9 +197,10 @@ class Reconciler:
 
     def _consider(self, name: str) -> None:
         view = self.nodes.get(name)
-        if view is not None and self.owns(name):
-            self.baseline.consider(view)  # xidflow's own conditions present, False while healthy
-        if view is None or not self.owns(name) or not needs_attention(view):
+        if view is None or not self.owns(name):
+            return
+        self.baseline.consider(view)  # xidflow's own conditions present, False while healthy
+        if not needs_attention(view):
             return
         if not view.unschedulable and view.ledger.owners(CORDON):
             # A person uncordoned: cancel at once, even while a flow of the node runs here.

@@ -40,6 +40,8 @@ from aiokafka.errors import KafkaError
 from pipeline import kafka_clients
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
+from pipeline.benchmarks import procstat
+from pipeline.benchmarks.procstat import ProcSample
 from pipeline.group_membership import GroupView, describe_group
 from pipeline.kafka_admin import ensure_topics
 from pipeline.settings import TopicNames
@@ -172,10 +174,38 @@ class NodeWatch:
             self.tainted[name] = now
 
     def stop(self) -> None:
+        """Stop at once. Closing the response waits until the reading thread's read returns: on a quiet
+        watch that is the next bookmark, up to a minute later, and the caller's event loop stood still
+        meanwhile (py-spy: the scale bench's steady state read 65 s at 10,000 nodes, 30 s of it here).
+        So the close happens on a thread of its own."""
         self._stop.set()
-        with contextlib.suppress(Exception):
-            if self._resp is not None:
-                self._resp.close()
+        if self._resp is not None:
+            threading.Thread(target=_close_quietly, args=(self._resp,), name="bench-watch-close", daemon=True).start()
+
+
+def _close_quietly(resp: Any) -> None:
+    with contextlib.suppress(Exception):
+        resp.close()
+
+
+def _condition_types(node: dict[str, Any]) -> set[str]:
+    return {c.get("type") for c in (node.get("status") or {}).get("conditions") or []}
+
+
+class ConditionWatch(NodeWatch):
+    """A watch that removes a node from ``lacking`` once it carries every ``wanted`` condition type."""
+
+    def __init__(self, kube: Kube, selector: str, resource_version: str, wanted: set[str], lacking: set[str]) -> None:
+        super().__init__(kube, selector, resource_version)
+        self.wanted, self.lacking = wanted, lacking
+
+    def _event(self, event: dict[str, Any], now: float) -> None:
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        if meta.get("resourceVersion"):
+            self.rv = meta["resourceVersion"]
+        if event.get("type") in ("ADDED", "MODIFIED") and self.wanted <= _condition_types(obj):
+            self.lacking.discard(meta.get("name"))
 
 
 @dataclass
@@ -188,9 +218,12 @@ class World:
     partitions: int
     workers: int = 1
     actuators: int = 2
+    fleet: int = 0
+    """GPU nodes in the fleet, the ``nodes`` that get a line included (fewer: ``nodes``)."""
     tag: str = field(default_factory=lambda: uuid.uuid4().hex[:8])
     procs: dict[str, Proc] = field(default_factory=dict)
     logdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="xidflow-bench-")))
+    progress: Callable[[str, float, float], None] = lambda t, d, n: None
 
     def __post_init__(self) -> None:
         self.topics = TopicNames(prefix=f"b{self.tag}.")
@@ -200,6 +233,14 @@ class World:
         self.namespace = f"xidflow-bench-{self.tag}"
         self.names = [f"b{self.tag}-{i:05d}" for i in range(self.nodes)]
         self.warm = [f"b{self.tag}-warm-{i}" for i in range(4)]
+        self.idle = [f"b{self.tag}-i{i:05d}" for i in range(max(0, self.fleet - self.nodes))]
+        self.timings: dict[str, float] = {}
+        """Setup, in seconds: ``create_s`` (the fleet), then from the processes' start ``members_s``
+        (every group Stable) and ``steady_s`` (every node carries xidflow's own conditions)."""
+        self.others: list[str] = []
+        """Nodes a hook made in this world outside its fleet (deleted with it)."""
+        self.steady: dict[str, ProcSample] = {}
+        """Each actuator's memory and CPU read at the moment the fleet reached steady state."""
         self.kube = Kube.from_config(self.kubeconfig, 32)
         env = {
             **os.environ,
@@ -241,32 +282,52 @@ class World:
         await ensure_topics(self.bootstrap, worker_topics(self.app_id, self.topics), self.partitions)
         names = ("incidents", "remediation_requests", "remediation_audit", "deadletter")
         await ensure_topics(self.bootstrap, [self.topics.name(n) for n in names], self.partitions)
-        await create_nodes(self.kube, [*self.names, *self.warm], {"xidflow.bench/burst": self.tag})
+        fleet = [*self.names, *self.idle, *self.warm]
+        start = time.monotonic()
+        await create_nodes(self.kube, fleet, {"xidflow.bench/burst": self.tag}, gpu=True,
+                           progress=lambda n: self.progress("create nodes", n, len(fleet)))
+        self.timings["create_s"] = round(time.monotonic() - start, 2)
+        start = time.monotonic()
         for proc in self.procs.values():
             await proc.start()
         await self.wait_members(list(self.procs))
+        self.timings["members_s"] = round(time.monotonic() - start, 2)
         await self.wait_baseline()
+        self.timings["steady_s"] = round(time.monotonic() - start, 2)
+        self.steady = {n: procstat.read(p.proc.pid) for n, p in self.procs.items()
+                       if n.startswith("actuator") and p.proc is not None}
 
-    async def wait_baseline(self, limit_s: float = 300) -> None:
+    async def wait_baseline(self, limit_s: float = 600) -> None:
         """Until every node carries xidflow's own conditions (False): the fleet's steady state.
 
         A new actuator adds them to every GPU node it owns; timing a burst during that would measure the
-        first start of xidflow on a fleet, not a fault on a fleet it already watches.
+        first start of xidflow on a fleet, not a fault on a fleet it already watches. One list, then a
+        watch from its version (not a list every moment: at 10,000 nodes that would load the API server
+        and this machine as much as the actuators being measured).
         """
         from pipeline.actuator.problems import ProblemClass
 
         wanted = {str(c) for c in ProblemClass}
+        page = await self.kube._call(self.kube.core.list_node, label_selector=self.selector)
+        lacking = {n["metadata"]["name"] for n in page.get("items") or [] if not wanted <= _condition_types(n)}
+        watch = ConditionWatch(self.kube, self.selector, page["metadata"]["resourceVersion"], wanted, lacking)
+        watch.start()
         deadline = time.monotonic() + limit_s
-        while True:
-            self.check_alive()
-            items = await self.kube.list_nodes(self.selector)
-            have = [{c["type"] for c in n.get("status", {}).get("conditions") or []} for n in items]
-            lacking = [h for h in have if not wanted <= h]
-            if items and not lacking:
-                return
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{len(lacking)} nodes still lack xidflow's conditions after {limit_s:.0f}s")
-            await asyncio.sleep(0.5)
+        try:
+            while watch.lacking:
+                self.check_alive()
+                self.progress("steady state", self.fleet_size - len(watch.lacking), self.fleet_size)
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"{len(watch.lacking)} nodes still lack xidflow's conditions after {limit_s:.0f}s"
+                    )
+                await asyncio.sleep(0.1)
+        finally:
+            watch.stop()
+
+    @property
+    def fleet_size(self) -> int:
+        return len(self.names) + len(self.idle) + len(self.warm)
 
     async def member_ids(self, proc: str) -> dict[str, str | None]:
         """group -> the broker's member id for this process's static membership (None: not a member)."""
@@ -333,7 +394,7 @@ class World:
         for proc in self.procs.values():
             await proc.signal(signal.SIGTERM, 30)
         with contextlib.suppress(Exception):
-            await delete_nodes(self.kube, [*self.names, *self.warm])
+            await delete_nodes(self.kube, [*self.names, *self.idle, *self.warm, *self.others])
         with contextlib.suppress(Exception):
             await self.kube._call(self.kube.core.delete_namespace, self.namespace)
         self.kube.close()
@@ -353,15 +414,20 @@ async def run_scenario(
     pace_until_done: bool = False,
     progress: Callable[[str, float, float], None] = lambda t, d, n: None,
     baseline: bool = False,
+    fleet: int = 0,
+    before: Disruption | None = None,
+    after: Disruption | None = None,
 ) -> dict[str, Any]:
     """Run one scenario; return its figures under ``<prefix>_*`` keys.
 
     ``disrupt`` runs right after the burst is handed to the producer (or, with ``pace_until_done``,
     while lines are paced out, one node at a time, until it returns). ``baseline``: afterwards, with the
     scenario's processes still up (idle), a bare client writes the same taints to N other nodes
-    (``bare_client_baseline``).
+    (``bare_client_baseline``). ``fleet``: GPU nodes in the world (at least ``nodes``; the others get no
+    line). ``before`` runs at steady state after the warm-up, before the clock starts; ``after`` once
+    every taint was seen; their figures are added.
     """
-    world = World(bootstrap, kubeconfig, nodes, partitions, workers=workers)
+    world = World(bootstrap, kubeconfig, nodes, partitions, workers=workers, fleet=fleet, progress=progress)
     producer = kafka_clients.producer(bootstrap, acks=1, linger_ms=5)
     sent: dict[str, float] = {}
     extra: dict[str, Any] = {}
@@ -372,6 +438,8 @@ async def run_scenario(
         await producer.start()
         await world.warm_up(producer)
         progress(f"{prefix}: setup", 1, 1)
+        if before is not None:
+            extra.update(await before(world))
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
@@ -384,7 +452,7 @@ async def run_scenario(
             disruption = asyncio.ensure_future(disrupt(world)) if disrupt else None
             await asyncio.gather(*futures)
             if disruption is not None:
-                extra = await disruption
+                extra.update(await disruption)
         else:
             assert disrupt is not None
             disruption = asyncio.ensure_future(disrupt(world))
@@ -394,7 +462,7 @@ async def run_scenario(
                 sent[node] = time.time()
                 await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode())
                 await asyncio.sleep(PACE_S)
-            extra = await disruption
+            extra.update(await disruption)
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not all(n in watch.tainted for n in sent):
             world.check_alive()
@@ -405,6 +473,8 @@ async def run_scenario(
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
         )
+        if after is not None:
+            extra.update(await after(world))
         out = {**summarize(prefix, latencies, len(sent)), **stages, **extra}
         if baseline:
             progress(f"{prefix}: bare client", 0, 1)

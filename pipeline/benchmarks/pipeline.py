@@ -21,6 +21,9 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   ``rolling_p99_ms``; each split into ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
   The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
   and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.
+- ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
+  and on a fleet of ``nodes``, with steady-state time, actuator memory and CPU, ``xidflow status``
+  time and the breaker's count on each (``pipeline.benchmarks.scale``).
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ class BenchContext:
     kubeconfig: str | None = None
     storm_nodes: int = 500
     nodes: int = 500  # burst, failover and rolling scenarios
+    fleet: int = 10_000  # GPU nodes of the scale section's large fleet
     progress: ProgressFn = lambda task, done, total: None
     results: dict[str, Any] = field(default_factory=dict)
 
@@ -429,6 +433,16 @@ async def rolling_section(ctx: BenchContext) -> dict[str, Any]:
     from pipeline.benchmarks.burst import rolling
 
     return _needs_kube(ctx, "rolling") or await rolling(ctx.bootstrap, ctx.kubeconfig or "", ctx.nodes, ctx.progress)
+
+
+@register("scale")
+async def scale_section(ctx: BenchContext) -> dict[str, Any]:
+    """The burst inside a ``fleet``-node fleet next to the same burst on a ``nodes``-node fleet."""
+    from pipeline.benchmarks.scale import scale
+
+    return _needs_kube(ctx, "scale") or await scale(
+        ctx.bootstrap, ctx.kubeconfig or "", ctx.fleet, ctx.nodes, ctx.progress
+    )
 
 
 def _pct(sorted_values: list[float], q: float) -> float:

@@ -39,6 +39,8 @@ import click
               help="Nodes that each get one fatal kernel line in the burst, failover and rolling sections.")
 @click.option("--storm-nodes", type=click.IntRange(1, 5000), default=500, show_default=True,
               help="Nodes that get a fatal Xid at once in the actuator storm.")
+@click.option("--fleet", type=click.IntRange(1, 100_000), default=10_000, show_default=True,
+              help="GPU nodes of the scale section's large fleet (--sections scale; the burst is --nodes of them).")
 @click.option(
     "--bootstrap",
     envvar="KAFKA_BOOTSTRAP_SERVERS",
@@ -63,6 +65,7 @@ def bench(
     save_dir: Path,
     storm_nodes: int,
     nodes: int,
+    fleet: int,
 ) -> None:
     """Measure the parse stage against a raw aiokafka consumer, and line-to-incident latency."""
     import orjson
@@ -80,7 +83,7 @@ def bench(
     infra = None
     tmp = None
     kubeconfig = os.environ.get("KUBECONFIG")
-    needs_kube = {"storm", "burst", "failover", "rolling"}
+    needs_kube = {"storm", "burst", "failover", "rolling", "scale"}
     if not bootstrap or (needs_kube & set(names) and not kubeconfig):
         from pipeline.localinfra.launcher import LocalInfra
 
@@ -111,6 +114,7 @@ def bench(
                 kubeconfig=kubeconfig,
                 storm_nodes=storm_nodes,
                 nodes=nodes,
+                fleet=fleet,
                 progress=report,
             )
             results = asyncio.run(run_bench(ctx, names))
@@ -154,6 +158,27 @@ def bench(
         ("failover, worker: kill to back in groups", "failover_worker_restart_s", "{:.1f} s"),
         ("rolling SIGTERM restart: p99 (goal < 1000 ms)", "rolling_p99_ms", "{:,.0f} ms"),
         ("rolling: lines over 5 s / lines", "rolling_over_5s", "{}"),
+        ("scale: GPU nodes", "scale_fleet", "{:,}"),
+        ("scale: fleet created in", "scale_create_s", "{:.1f} s"),
+        ("scale: actuators start to steady state", "scale_steady_s", "{:.1f} s"),
+        ("scale: base fleet steady state", "scale_base_steady_s", "{:.1f} s"),
+        ("scale: actuator peak RSS during start (goal < 500 MB)", "scale_actuator_start_peak_rss_mb", "{:,.0f} MB"),
+        ("scale: actuator RSS at rest", "scale_actuator_rss_mb", "{:,.0f} MB"),
+        ("scale: base fleet actuator RSS at rest", "scale_base_actuator_rss_mb", "{:,.0f} MB"),
+        ("scale: actuator CPU at rest (median second)", "scale_actuator_cpu_rest_pct", "{:.1f} %"),
+        ("scale: actuator CPU, busiest second (resync)", "scale_actuator_cpu_resync_pct", "{:.1f} %"),
+        ("scale: xidflow status on the fleet", "scale_status_s", "{:.2f} s"),
+        ("scale: xidflow status on the base fleet", "scale_base_status_s", "{:.2f} s"),
+        ("scale: xidflow breaker status", "scale_breaker_status_s", "{:.2f} s"),
+        ("scale: breaker counted / fleet size", "scale_breaker_counted", "{}"),
+        ("scale: burst p99 inside the fleet", "scale_burst_p99_ms", "{:,.0f} ms"),
+        ("scale: the same burst on the base fleet, before", "scale_base_burst_p99_ms", "{:,.0f} ms"),
+        ("scale: the same burst on the base fleet, after", "scale_base2_burst_p99_ms", "{:,.0f} ms"),
+        ("scale: burst p99 fleet / base (goal <= 1.10)", "scale_burst_vs_base_ratio", "{:.2f}"),
+        ("scale: bare client, same writes", "scale_raw_burst_ms", "{:,.0f} ms"),
+        ("scale: burst p99 / bare client", "scale_burst_vs_raw_ratio", "{:.2f}"),
+        ("scale: base burst p99 / bare client (mean)", "scale_base_burst_vs_raw_ratio", "{:.2f}"),
+        ("scale: the two ratios above, fleet / base", "scale_burst_vs_base_raw_normalized", "{:.2f}"),
     ]
     for label, key, fmt in rows:
         if key in results:

@@ -53,3 +53,16 @@ def test_a_node_admitted_in_the_window_and_seen_quarantined_counts_once() -> Non
     state: dict[str, Any] = {"admitted": {"a": NOW}}
     got = decide_admissions(state, ["b"], 4, 0.5, 300, NOW + 1, frozenset({"a"}))
     assert got["b"].allowed  # a (both admitted and quarantined) + b = 2 of 4
+
+
+def test_a_large_batch_trips_at_exactly_the_limit() -> None:
+    """One batch of many nodes on a large fleet (the counted set grows as nodes are admitted, once)."""
+    quarantined = frozenset(f"q{i}" for i in range(3000))
+    state: dict[str, Any] = {"admitted": {"old": NOW - 10, "expired": NOW - 1000}}
+    batch = ["q0", *(f"n{i}" for i in range(2500))]  # one of them quarantined already
+    decisions = decide_admissions(state, batch, 10_000, 0.5, 300, NOW, quarantined)
+    allowed = [n for n, d in decisions.items() if d.allowed]
+    # 3000 quarantined + "old" admitted in the window: 1999 new nodes fit under 5000 of 10,000.
+    assert len(allowed) == 1 + 1999 and decisions["q0"].allowed
+    assert decisions["n1999"].tripped_now and "5001 of 10000" in state["reason"]
+    assert set(state["admitted"]) == {"old", *(f"n{i}" for i in range(1999))}
