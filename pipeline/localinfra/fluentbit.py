@@ -26,7 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
-from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root, run_logged
+from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root, run_logged, user_binary
 
 VERSION = "5.1.1"
 
@@ -82,9 +82,12 @@ def fluent_bit_installed() -> bool:
 
 def ensure_fluent_bit(log: Log = print) -> Path:
     """The Fluent Bit binary to run: ``$FLUENT_BIT_BIN``, the cached build, or a new build (see module doc)."""
-    explicit = os.environ.get("FLUENT_BIT_BIN")
+    explicit = user_binary("FLUENT_BIT_BIN", ["--version"], timeout=30)
     if explicit:
-        return _checked_user_binary(Path(explicit))
+        path, answer = explicit
+        if "Fluent Bit" not in answer:
+            raise InstallError(f"FLUENT_BIT_BIN={path} does not answer `--version` as Fluent Bit does: {answer[:300]}")
+        return path
     binary = fluent_bit_target()
     if fluent_bit_installed():
         return binary
@@ -102,16 +105,6 @@ def ensure_fluent_bit(log: Log = print) -> Path:
         _verify_checksum(tarball)
         _ensure_build_prerequisites(log)
         return _build(tarball, binary, log)
-
-
-def _checked_user_binary(path: Path) -> Path:
-    if not path.is_file() or not os.access(path, os.X_OK):
-        raise InstallError(f"FLUENT_BIT_BIN={path} is not an executable file")
-    proc = subprocess.run([str(path), "--version"], capture_output=True, text=True, timeout=30)
-    if proc.returncode != 0 or "Fluent Bit" not in proc.stdout:
-        raise InstallError(f"FLUENT_BIT_BIN={path} does not answer `--version` as Fluent Bit does: "
-                           f"{(proc.stdout + proc.stderr).strip()[:300]}")
-    return path
 
 
 def _verify_checksum(tarball: Path) -> None:

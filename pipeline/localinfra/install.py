@@ -299,6 +299,31 @@ def run_steps(steps: Sequence[InstallStep], console: Any = None) -> float:
     return time.monotonic() - start
 
 
+# -- a binary the user names instead of the project's build ---------------------------------------------------
+def user_binary(env_var: str, probe: Sequence[str], timeout: float = 60.0) -> tuple[Path, str] | None:
+    """The binary ``$env_var`` names (None when unset) and what it printed when run with ``probe``.
+
+    An unset variable means "build it"; a set one must be an executable file that answers ``probe``
+    (exit 0), else an ``InstallError`` that names the variable. The caller checks the answer's text.
+    """
+    value = os.environ.get(env_var)
+    if not value:
+        return None
+    path = Path(value)
+    if not path.is_file() or not os.access(path, os.X_OK):
+        raise InstallError(f"{env_var}={path} is not an executable file")
+    try:
+        proc = subprocess.run([str(path), *probe], capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise InstallError(f"{env_var}={path} did not answer `{path.name} {' '.join(probe)}` within "
+                           f"{timeout:.0f}s: is it the program named?") from None
+    answer = (proc.stdout + proc.stderr).strip()
+    if proc.returncode != 0:
+        raise InstallError(f"{env_var}={path} failed `{path.name} {' '.join(probe)}` (exit {proc.returncode}): "
+                           f"{answer[:300]}")
+    return path, proc.stdout
+
+
 # -- Debian packages the project installs itself (rsyslog, promtool, Fluent Bit's build tools) -----------------
 def apt_install(packages: Sequence[str], why: str, log: Log) -> None:
     """``apt-get update`` + ``apt-get install`` of ``packages`` where this is a Debian-like machine and we are

@@ -28,7 +28,6 @@ import fcntl
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -44,6 +43,7 @@ from pipeline.localinfra.install import (
     go_build,
     go_build_meter,
     run_logged,
+    user_binary,
 )
 
 HERE = Path(__file__).parent
@@ -108,9 +108,13 @@ def otelcol_installed() -> bool:
 
 def ensure_otelcol(log: Log = print) -> Path:
     """The collector to run: ``$OTELCOL_BIN``, the cached build, or a new build (see the module doc)."""
-    explicit = os.environ.get("OTELCOL_BIN")
+    explicit = user_binary("OTELCOL_BIN", ["components"])
     if explicit:
-        return _checked_user_binary(Path(explicit))
+        path, answer = explicit
+        missing = [c for c in REQUIRED_COMPONENTS if not re.search(rf"\bname: {re.escape(c)}\b", answer)]
+        if missing:
+            raise InstallError(f"OTELCOL_BIN={path} lacks components {missing} (`{path.name} components`)")
+        return path
     binary = otelcol_target()
     if otelcol_installed():
         return binary
@@ -124,17 +128,6 @@ def ensure_otelcol(log: Log = print) -> Path:
         if otelcol_installed():
             return binary
         return _build(go, _builder_version_from_manifest(), binary, log)
-
-
-def _checked_user_binary(path: Path) -> Path:
-    if not path.is_file() or not os.access(path, os.X_OK):
-        raise InstallError(f"OTELCOL_BIN={path} is not an executable file")
-    proc = subprocess.run([str(path), "components"], capture_output=True, text=True, timeout=60)
-    missing = [c for c in REQUIRED_COMPONENTS if not re.search(rf"\bname: {re.escape(c)}\b", proc.stdout)]
-    if proc.returncode != 0 or missing:
-        raise InstallError(f"OTELCOL_BIN={path} lacks components {missing or REQUIRED_COMPONENTS} "
-                           f"(`{path.name} components`: {(proc.stdout + proc.stderr).strip()[:300]})")
-    return path
 
 
 def _go_env() -> dict[str, str]:

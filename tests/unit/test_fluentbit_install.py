@@ -50,3 +50,16 @@ def test_fluent_bit_bin_must_be_fluent_bit(empty_cache: Path, monkeypatch: pytes
 def test_the_vendored_source_is_found_beside_the_checkout(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("XIDFLOW_VENDOR_DIR", raising=False)
     assert fluentbit.source_tarball().parent.parts[-2:] == ("shared", "vendor")
+
+
+def test_a_user_binary_that_does_not_answer_is_one_sentence(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from pipeline.localinfra.install import user_binary
+
+    hangs = tmp_path / "otelcol"
+    hangs.write_text("#!/bin/sh\nsleep 30\n")
+    hangs.chmod(0o755)
+    monkeypatch.setenv("OTELCOL_BIN", str(hangs))
+    with pytest.raises(InstallError, match=r"OTELCOL_BIN=.* did not answer `otelcol components` within 1s"):
+        user_binary("OTELCOL_BIN", ["components"], timeout=1)
+    monkeypatch.delenv("OTELCOL_BIN")
+    assert user_binary("OTELCOL_BIN", ["components"]) is None
