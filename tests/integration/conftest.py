@@ -11,6 +11,7 @@ import pytest
 
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
 from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
 from pipeline.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
@@ -53,3 +54,21 @@ def rsyslog() -> RsyslogDist:
         return ensure_rsyslog_kafka(lambda m: print(f"[rsyslog] {m}", flush=True))
     except Exception as exc:  # noqa: BLE001 - fail loudly, never skip
         pytest.fail(f"rsyslogd with omkafka is not available and could not be installed: {exc}", pytrace=False)
+
+
+@pytest.fixture(scope="module")
+def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
+    """A private SASL_SSL broker with the ACL table and one user per component, its topics created (prefix "")."""
+    topics = TopicNames(prefix="")
+    cluster = KafkaCluster(tmp_path_factory.mktemp("kafka-sasl-ssl"), security="sasl_ssl",
+                           log=lambda m: print(f"[secured-kafka] {m}", flush=True))
+    try:
+        cluster.start()
+        names = [*worker_topics("xidflow", topics), topics.name("remediation_requests"),
+                 topics.name("remediation_audit")]
+        asyncio.run(ensure_topics(cluster.bootstrap, names, 4, settings=cluster.client_settings(ADMIN_USER)))
+    except Exception as exc:  # noqa: BLE001 - a broker that cannot start fails the tests, loudly
+        cluster.stop()
+        pytest.fail(f"secured Kafka could not start: {exc}", pytrace=False)
+    yield cluster
+    cluster.stop()

@@ -20,8 +20,6 @@ import orjson
 import pytest
 import yaml
 
-from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
 from pipeline.localinfra.fluentbit_run import FluentBit, Render
 from pipeline.localinfra.helm import helm_template
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
@@ -50,21 +48,6 @@ def chart_rdkafka_security() -> dict[str, str]:
              for o in outputs]
     assert props[0] and all(p == props[0] for p in props), props
     return props[0]
-
-
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
-    cluster = KafkaCluster(tmp_path_factory.mktemp("fb-kafka-sasl-ssl"), security="sasl_ssl",
-                           log=lambda m: print(f"[secured-kafka] {m}", flush=True))
-    try:
-        cluster.start()
-        names = [*worker_topics("xidflow", T)]
-        asyncio.run(ensure_topics(cluster.bootstrap, names, 4, settings=cluster.client_settings(ADMIN_USER)))
-    except Exception as exc:  # noqa: BLE001 - a broker that cannot start fails the tests, loudly
-        cluster.stop()
-        pytest.fail(f"secured Kafka could not start: {exc}", pytrace=False)
-    yield cluster
-    cluster.stop()
 
 
 @pytest.fixture(scope="module")

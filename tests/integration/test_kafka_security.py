@@ -27,7 +27,6 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueAction, RescueActionRequest
 from pipeline.actuator.signing import Signer, SigningSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes
-from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
@@ -39,21 +38,6 @@ pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
 T = TopicNames(prefix="")
 XID79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid=1234, name=python3, GPU has fallen off the bus."
-
-
-@pytest.fixture(scope="module")
-def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
-    cluster = KafkaCluster(tmp_path_factory.mktemp("kafka-sasl-ssl"), security="sasl_ssl",
-                           log=lambda m: print(f"[secured-kafka] {m}", flush=True))
-    try:
-        cluster.start()
-        names = [*worker_topics("xidflow", T), T.name("remediation_requests"), T.name("remediation_audit")]
-        asyncio.run(ensure_topics(cluster.bootstrap, names, 4, settings=cluster.client_settings(ADMIN_USER)))
-    except Exception as exc:  # noqa: BLE001 - a broker that cannot start fails the tests, loudly
-        cluster.stop()
-        pytest.fail(f"secured Kafka could not start: {exc}", pytrace=False)
-    yield cluster
-    cluster.stop()
 
 
 async def produce(settings: KafkaSettings, topic: str, value: bytes, key: bytes,
