@@ -15,6 +15,7 @@ import contextvars
 import functools
 import heapq
 import itertools
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,17 @@ class PriorityLimiter:
                 fut.set_result(None)
                 return
         self._free += 1
+
+
+def _abort(response: Any) -> None:
+    """Close a streaming response now. A plain close waits for the reading thread's lock, i.e. for the
+    server's next bytes (up to the watch's timeout): shutting the socket down first wakes that thread."""
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        response.close()
 
 
 class Kube:
@@ -384,8 +396,7 @@ class Kube:
                     raise KubeUnavailable(f"watch of {what} broke: {type(item).__name__}: {item}")
                 yield item
         finally:
-            with contextlib.suppress(Exception):
-                response.close()
+            _abort(response)
 
     # -- any cluster-scoped API object by group/version/plural (built-in groups too: resource.k8s.io) -----
     async def list_cluster_objects_all(
