@@ -156,3 +156,10 @@ def test_a_resumed_flow_keeps_the_drain_option() -> None:
     ledger.open_flow("inc", stored(plan, incident), T0)
     kept = plan_from_ledger(node(ledger), "inc", settings)
     assert kept is not None and kept[0].steps[1].spec.checkpoint_grace == 300.0
+
+
+def test_a_drain_waiting_for_checkpoints_is_not_reported_stuck_before_its_grace_and_timeout() -> None:
+    from pipeline.actuator.fleetmetrics import step_timeout
+
+    assert step_timeout({"name": "drain", "timeout": 300, "checkpointGrace": 600.0}) == 900
+    assert step_timeout({"name": "drain", "timeout": 300}) == 300
