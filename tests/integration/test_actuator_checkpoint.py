@@ -272,3 +272,24 @@ async def test_a_replica_killed_mid_wait_is_replaced_by_one_that_keeps_the_deadl
     record_timings("replica-killed", request_to_kill_s=killed - requested, kill_to_retaken_s=retaken_at - killed,
                    request_to_drained_s=drained - requested, deadline_to_drained_s=drained - first.until,
                    grace_s=grace, lease_s=LEASE_SECONDS)
+
+
+async def test_a_lost_gpu_under_a_rule_with_grace_is_drained_at_once_with_the_reason(env: Env) -> None:
+    (node,) = await env.make_nodes(1)
+    ns = await gpu_pods(env, node, ["trainer-0"])
+    # A rule without codes may carry the option (its faults are judged per incident): Xid 79 arrives.
+    act = await env.actuator(
+        load_yaml_text(
+            "kind: RescuePolicy\nmetadata: {name: t}\nspec:\n  rules:\n"
+            "  - {priority: 10, actions: [{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 30, "
+            "checkpointGrace: 600}]}\n"
+        )
+    )
+    await act.engine.handle(incident(node, "inc-ckpt-lost", code=79, action=Action.REBOOT_NODE))
+    assert await pods_on(env.kube, node) == []
+    record = await drain_record(env, node)
+    assert record.outcome == Outcome.APPLIED
+    assert record.details["checkpoint"]["result"] == "gpu-lost" and "Xid 79" in record.details["checkpoint"]["reason"]
+    assert record.reason.startswith("no checkpoint wait (Xid 79")
+    assert await checkpoint_events(env, ns) == []  # nobody was asked
+    assert (await env.ledger(node)).flow_value("inc-ckpt-lost", checkpoint.ledger_name("drain")) is None
