@@ -293,3 +293,46 @@ async def test_a_lost_gpu_under_a_rule_with_grace_is_drained_at_once_with_the_re
     assert record.reason.startswith("no checkpoint wait (Xid 79")
     assert await checkpoint_events(env, ns) == []  # nobody was asked
     assert (await env.ledger(node)).flow_value("inc-ckpt-lost", checkpoint.ledger_name("drain")) is None
+
+
+async def test_a_policy_object_asking_a_grace_for_xid_79_is_refused_and_changes_nothing(env: Env) -> None:
+    from pipeline.actuator.app import Actuator
+    from pipeline.settings import KafkaSettings
+    from tests.integration.test_actuator_policy_crd import (
+        GROUP,
+        VERSION,
+        _status_for,
+        accepted,
+        install_crds,
+        replace_spec,
+        wait_for,
+    )
+
+    await install_crds(env.kube)
+    name = env.unique("ckpt")
+    rule = {"name": f"{name}-r", "priority": 50, "codes": [CODE, 79],
+            "actions": [{"name": "cordon"}, {"name": "drain", "gracePeriodCap": 0}]}
+    body = {"apiVersion": f"{GROUP}/{VERSION}", "kind": "RescuePolicy",
+            "metadata": {"name": name, "labels": {"xidflow.test/fleet": env.tag}}, "spec": {"rules": [rule]}}
+    await env.kube._call(env.kube.custom.create_cluster_custom_object, GROUP, VERSION, "rescuepolicies", body)
+    try:
+        act = Actuator(
+            env.settings(worker_id="w1", policy_source="crd", policy_label_selector=f"xidflow.test/fleet={env.tag}",
+                         policy_refresh_seconds=3600),
+            KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=env.bootstrap), env.topics, env.kubeconfig,
+        )
+        await act.start(consume=False)
+        env.actuators.append(act)
+        await wait_for(lambda: _status_for(env, name, generation=1, status="True"), "generation 1 accepted")
+        # Valid for the CRD schema and the admission policy; the catalog says Xid 79 loses the GPU.
+        graced = {**rule, "actions": [{"name": "cordon"}, {"name": "drain", "gracePeriodCap": 0,
+                                                           "checkpointGrace": "5m"}]}
+        await replace_spec(env, name, {"rules": [graced]})
+        refused = await wait_for(lambda: _status_for(env, name, generation=2, status="False"), "generation 2 refused")
+        message = accepted(refused)["message"]  # type: ignore[index]
+        assert "spec.rules[0].actions[1].checkpointGrace: not allowed" in message and "Xid 79" in message
+        assert refused["status"]["inForceGeneration"] == 1
+        [kept] = act.policies.current.rules
+        assert kept.actions[1].checkpoint_grace is None  # generation 1 is what runs
+    finally:
+        await env.kube._call(env.kube.custom.delete_cluster_custom_object, GROUP, VERSION, "rescuepolicies", name)
