@@ -19,7 +19,7 @@ from pipeline import metrics
 from pipeline.actuator import checkpoint, effects
 from pipeline.actuator.checkpoint import Progress, Wait
 from pipeline.actuator.effects import NodeChange
-from pipeline.actuator.kube import Forbidden, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.workload import uses_gpu
 from pipeline.catalog import Catalog
 
@@ -66,8 +66,9 @@ async def _the_wait(ctx: StepContext, step: Step, grace: float) -> Wait:
     return wait
 
 
-async def _ask(ctx: StepContext, pod: Pod, message: str, event_only: bool) -> Pod | None:
-    """Write the request (unless ``event_only``) and the pod's Event; the pod as written, None if forbidden."""
+async def _ask(ctx: StepContext, pod: Pod, message: str, event_only: bool) -> Pod | str:
+    """Write the request (unless ``event_only``) and the pod's Event: the pod as written, or why not
+    (``gone``; ``refused``: RBAC or the API server refused the write, nobody can answer it)."""
     meta = pod.get("metadata") or {}
     namespace, name = str(meta.get("namespace")), str(meta.get("name"))
     written: Pod = pod
@@ -80,10 +81,10 @@ async def _ask(ctx: StepContext, pod: Pod, message: str, event_only: bool) -> Po
         event = effects.object_name(name[:200], ctx.plan.flow_key, namespace, name, "checkpoint")
         await effects.create_event_once(ctx.kube, namespace, event, involved, checkpoint.EVENT_REASON, message)
     except NotFound:
-        return written  # gone meanwhile: the watch drops it
-    except Forbidden as exc:
+        return "gone"
+    except (Forbidden, Invalid) as exc:
         log.warning("cannot ask %s/%s for a checkpoint (%s): not waited for", namespace, name, exc)
-        return None
+        return "refused"
     return written
 
 
@@ -158,19 +159,20 @@ async def before_drain(ctx: StepContext, step: Step, select: Select) -> tuple[st
         while True:
             now = time.time()
             prog = checkpoint.progress(_waited_for(pods, select), wait, frozenset(refused))
-            if now < wait.until and (prog.to_ask or first):
+            # Each pod is asked once per run: one whose written request does not show (yet) waits for the watch.
+            fresh = [n for n in prog.to_ask if n not in asked]
+            if now < wait.until and (fresh or first):
                 # On a resumed wait the pods asked before get their Event only if it was lost (fixed name).
-                todo = list(prog.to_ask) + (list(prog.pending) if first else [])
-                results = await asyncio.gather(
-                    *(_ask(ctx, pods[n], message, event_only=n not in prog.to_ask) for n in todo)
-                )
+                todo = fresh + (list(prog.pending) if first else [])
+                results = await asyncio.gather(*(_ask(ctx, pods[n], message, event_only=n not in fresh) for n in todo))
                 for name, written in zip(todo, results, strict=True):
-                    if written is None:
+                    if written == "refused":
                         refused.add(name)
-                    elif name in prog.to_ask:
+                    elif written == "gone":
+                        pods.pop(name, None)
+                    elif name in fresh:
                         asked.add(name)
-                        if name in pods:
-                            pods[name] = written
+                        pods[name] = written  # type: ignore[assignment]
                 first = False
                 continue  # look again with what was written
             if prog.over:
