@@ -147,6 +147,12 @@ FLOW_STEP_TIMEOUT = Gauge(
 )
 FLOW_STEPS_OPEN = Gauge("xidflow_flow_open_steps", "Open flow steps of the action over every GPU node",
                         ["action"], registry=None)
+CHECKPOINT_WAITS = Histogram(
+    "xidflow_checkpoint_wait_seconds",
+    "Checkpoint waits before drains (checkpointGrace), by how they ended (result: answered, grace-expired, "
+    "no-gpu-pods, gpu-lost): seconds from the request to the end of the wait",
+    ["result"], buckets=(1, 5, 15, 30, 60, 120, 300, 600, 1800, 3600), registry=None,
+)
 NOTIFICATIONS = Counter(
     "xidflow_notifications",
     "Webhook notifications by webhook (its configured name) and result (delivered, failed, dropped)",
@@ -165,7 +171,8 @@ COMPONENT_METRICS: dict[str, tuple[MetricWrapperBase, ...]] = {
              STAGE_RESTART_DELAY),
     ACTUATOR: (REMEDIATIONS, BREAKER_OPEN, BREAKER_WINDOW_NODES, BREAKER_WINDOW_SHARE, BREAKER_MAX_SHARE,
                GPU_NODES, QUARANTINED_NODES, FLOW_STEP_AGE, FLOW_STEP_TIMEOUT, FLOW_STEPS_OPEN,
-               NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED, ACTUATOR_DEADLETTERS),
+               NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED, ACTUATOR_DEADLETTERS,
+               CHECKPOINT_WAITS),
     PROBE: (),
     LOKI_TAIL: (LOKI_TAIL_DEADLETTERS,),
 }

@@ -87,11 +87,11 @@ class OpenStep:
 
 
 def step_timeout(spec: Mapping[str, Any]) -> float:
-    """The step's policy timeout, else the action's default, else ``STEP_TIMEOUT_S``."""
+    """The step's policy timeout, else the action's default, else ``STEP_TIMEOUT_S``; a drain's checkpoint
+    wait (``checkpointGrace``) comes before its own timeout, so it is added."""
     given = spec.get("timeout")
-    if given:
-        return float(given)
-    return DEFAULT_STEP_TIMEOUTS.get(str(spec.get("name")), STEP_TIMEOUT_S)
+    base = float(given) if given else DEFAULT_STEP_TIMEOUTS.get(str(spec.get("name")), STEP_TIMEOUT_S)
+    return base + float(spec.get("checkpointGrace") or 0)
 
 
 def open_steps(view: NodeView, now: float) -> list[OpenStep]:

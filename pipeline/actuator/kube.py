@@ -15,6 +15,7 @@ import contextvars
 import functools
 import heapq
 import itertools
+import socket
 import threading
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +123,17 @@ class PriorityLimiter:
                 fut.set_result(None)
                 return
         self._free += 1
+
+
+def _abort(response: Any) -> None:
+    """Close a streaming response now. A plain close waits for the reading thread's lock, i.e. for the
+    server's next bytes (up to the watch's timeout): shutting the socket down first wakes that thread."""
+    sock = getattr(getattr(response, "connection", None), "sock", None)
+    if sock is not None:
+        with contextlib.suppress(OSError):
+            sock.shutdown(socket.SHUT_RDWR)
+    with contextlib.suppress(Exception):
+        response.close()
 
 
 class Kube:
@@ -307,18 +319,47 @@ class Kube:
         The stream is read on its own thread (not the call pool, which it would hold for minutes);
         leaving the iteration closes the connection. An ``ERROR`` event (410 Gone) means: list again.
         """
+        kwargs: dict[str, Any] = {"label_selector": label_selector}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        opener = functools.partial(self.custom.list_cluster_custom_object, group, version, plural)
+        async with contextlib.aclosing(self._watch(opener, plural, timeout_seconds, **kwargs)) as events:
+            async for item in events:
+                yield item
+
+    async def watch_pods_on_node(
+        self, node: str, resource_version: str | None, timeout_seconds: int = 60
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events of the pods bound to ``node`` from ``resource_version`` (a drain's checkpoint wait)."""
+        kwargs: dict[str, Any] = {"field_selector": f"spec.nodeName={node}"}
+        if resource_version:
+            kwargs["resource_version"] = resource_version
+        watch = self._watch(self.core.list_pod_for_all_namespaces, "pods", timeout_seconds, **kwargs)
+        async with contextlib.aclosing(watch) as events:
+            async for item in events:
+                yield item
+
+    async def list_pods_on_node_page(self, node: str) -> dict[str, Any]:
+        """The node's pods as one list object (``items`` and ``metadata.resourceVersion``, where a watch starts)."""
+        return await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+
+    async def _watch(
+        self, list_fn: Callable[..., Any], what: str, timeout_seconds: int, **kwargs: Any
+    ) -> AsyncIterator[dict[str, Any]]:
+        """Watch events (``{"type", "object"}``) of a list call until the server ends the watch.
+
+        The stream is read on its own thread (not the call pool, which it would hold for minutes);
+        leaving the iteration closes the connection. An ``ERROR`` event (410 Gone) means: list again.
+        """
         loop = asyncio.get_running_loop()
-        kwargs: dict[str, Any] = {
+        kwargs.update({
             "watch": True,
             "allow_watch_bookmarks": True,
-            "label_selector": label_selector,
             "timeout_seconds": timeout_seconds,
             "_preload_content": False,
             "_request_timeout": (self.request_timeout[0], timeout_seconds + 30),
-        }
-        if resource_version:
-            kwargs["resource_version"] = resource_version
-        opener = functools.partial(self.custom.list_cluster_custom_object, group, version, plural, **kwargs)
+        })
+        opener = functools.partial(list_fn, **kwargs)
         try:
             response = await loop.run_in_executor(None, opener)
         except ApiException as exc:
@@ -345,18 +386,17 @@ class Kube:
             finally:
                 hand_over(None)
 
-        threading.Thread(target=pump, name=f"watch-{plural}", daemon=True).start()
+        threading.Thread(target=pump, name=f"watch-{what}", daemon=True).start()
         try:
             while True:
                 item = await queue.get()
                 if item is None:
                     return
                 if isinstance(item, BaseException):
-                    raise KubeUnavailable(f"watch of {plural} broke: {type(item).__name__}: {item}")
+                    raise KubeUnavailable(f"watch of {what} broke: {type(item).__name__}: {item}")
                 yield item
         finally:
-            with contextlib.suppress(Exception):
-                response.close()
+            _abort(response)
 
     # -- any cluster-scoped API object by group/version/plural (built-in groups too: resource.k8s.io) -----
     async def list_cluster_objects_all(

@@ -17,7 +17,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from pipeline.actuator import conditions
+from pipeline.actuator import checkpoint, conditions
 from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
 from pipeline.actuator.conditions import ConditionStatus
 from pipeline.actuator.problems import OWN_CONDITION_TYPES
@@ -68,6 +68,16 @@ class ActionSpec(_Model):
         alias="forceNamespaces",
         description="The only namespaces where forceAfter may delete pods (RBAC grants delete there only)",
     )
+    checkpoint_grace: float | None = Field(
+        default=None, alias="checkpointGrace",
+        description="drain: ask the GPU pods for a checkpoint first and evict each when it answers or after this "
+        "many seconds (300, '300s', '5m'); only for faults where the GPU still runs",
+    )
+
+    @field_validator("checkpoint_grace", mode="before")
+    @classmethod
+    def _grace_seconds(cls, value: Any) -> Any:
+        return None if value is None else checkpoint.parse_grace(value)
     # reboot / resetGpu
     hook: RebootHook | None = None
     webhook_url: str | None = Field(default=None, alias="webhookUrl")
@@ -174,6 +184,20 @@ class Rule(_Model):
             return False
         return self.node_selector is None or self.node_selector.matches(node_labels)
 
+    @model_validator(mode="after")
+    def _checkpoint_only_where_the_gpu_runs(self) -> Rule:
+        # Judged against the catalog in force: what the rule names must leave a running GPU to save from.
+        for index, spec in enumerate(self.actions):
+            if spec.checkpoint_grace is None:
+                continue
+            why = checkpoint.rule_error(self.codes, self.kinds, Catalog.configured())
+            if why:
+                raise ValueError(
+                    f"actions[{index}].checkpointGrace: not allowed for this rule's faults ({why}); "
+                    "remove the option or the lost-GPU codes and kinds from the rule"
+                )
+        return self
+
     @property
     def specificity(self) -> int:
         # Ties at equal priority go to the narrower rule, then to the name, so every replica agrees.
@@ -241,9 +265,11 @@ def _raise_for(prefix: str, exc: ValidationError) -> None:
     err = exc.errors()[0]
     path, msg = _field_path(prefix, err["loc"]), err["msg"]
     # Our own checks name the attribute first ("Value error, key: ..."): fold it into the path.
-    own = re.match(r"Value error, (\w+): (.*)", msg)
+    own = re.match(r"Value error, ([\w.\[\]]+): (.*)", msg)
     if own:
         path, msg = f"{path}.{own.group(1)}", own.group(2)
+    else:
+        msg = msg.removeprefix("Value error, ")
     raise PolicyError(f"{path}: {msg}") from None
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.checkpoint_wait import before_drain
 from pipeline.actuator.kube import Kube, NotFound, TooManyRequests
 from schemas.records import Outcome
 
@@ -124,21 +125,28 @@ async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.
 
 async def run(ctx: StepContext, step: Step) -> StepResult:
     node = ctx.plan.node
+    # The checkpoint wait (checkpointGrace) comes before the drain slot: waiting evicts nothing, so it
+    # must not keep another node's drain waiting for the slot.
+    filters = default_filters(step.spec.excluded_namespaces)
+    waited, details = await before_drain(ctx, step, lambda pods: drain_candidates(pods, set(), filters)[0])
     await ctx.drains.acquire(node, ctx.worker)
     try:
         res = await drain(ctx.kube, node, step.spec)
     finally:
         await ctx.drains.release(node)
-    details = {"evicted": res.evicted, "forced": res.forced, "left_alone": res.left_alone}
+    details |= {"evicted": res.evicted, "forced": res.forced, "left_alone": res.left_alone}
+    prefix = f"{waited}; " if waited else ""
     if not res.ok:
-        return StepResult(Outcome.FAILED, res.reason, details | {"blocked": res.blocked})
-    return StepResult(Outcome.APPLIED, f"{len(res.evicted)} evicted, {len(res.forced)} forced", details)
+        return StepResult(Outcome.FAILED, prefix + res.reason, details | {"blocked": res.blocked})
+    return StepResult(Outcome.APPLIED, f"{prefix}{len(res.evicted)} evicted, {len(res.forced)} forced", details)
 
 
 ACTION = ActionDef(
     name="drain",
     kind=Kind.LONG,
-    attrs=frozenset({"grace_period_cap", "excluded_namespaces", "force_after", "force_namespaces", "timeout"}),
+    attrs=frozenset(
+        {"grace_period_cap", "excluded_namespaces", "force_after", "force_namespaces", "timeout", "checkpoint_grace"}
+    ),
     disruptive=True,
     requestable=True,
     uses_drain_slot=True,
