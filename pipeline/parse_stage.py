@@ -8,9 +8,10 @@ aiokafka's batch API (``getmany``) and does per record only what it must:
 1. ``ParseCore`` (pure, no I/O) looks at the raw bytes of the whole batch first: a payload that
    contains none of the prefilter's markers (``gate_markers``) cannot carry a line that passes
    ``pipeline.detect.prefilter``, so it is counted as noise without being decoded (99.9% of the
-   stream). The scan is one ``bytes.find`` loop per marker over the batch joined by NUL bytes, so
-   noise costs no Python-level work per record. Payloads with JSON ``\\u`` escapes, empty, null or
-   oversize payloads always take the full path. One record in ``shape_check_every`` is decoded
+   stream). The scan is one pass of an aho-corasick automaton (``bytes.find`` per marker without it)
+   over the batch joined by NUL bytes, so noise costs no Python-level work per record. Markers
+   spelled with a JSON escape (``NET\\/``) count as markers; payloads with JSON ``\\u`` escapes, empty,
+   null or oversize payloads always take the full path. One record in ``shape_check_every`` is decoded
    anyway, so a shipper sending an unknown shape shows up in the dead-letter topic quickly.
 2. Candidates go through ``pipeline.adapters.decode_record`` (LogRecords + DeadLetters), then the
    per-line ``prefilter`` and ``Detector.process``.
