@@ -224,14 +224,15 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
       producer, acknowledgements, commits and the fetch overlap cost nothing measurable.
     - ``ParseCore`` in the stage 0.3-0.4 us (thread CPU per step): values of the fresh records 0.08
       (their first touch, cache-cold), lengths 0.05 and min/max 0.02, the NUL join 0.04-0.06, the
-      aho-corasick scan 0.03 (0.11 before its ``\\u`` matcher was split off), offsets 0.015, decoding
+      aho-corasick scan 0.03 (0.11, warm, before its ``\\u`` matcher was split off), offsets 0.015, decoding
       the 0.2% candidates (faults and 1-in-1000 shape checks, ~30 us each) 0.06, then sending the
       fault events.
 
-    ``ratio_cpu`` went from 0.71/0.75/0.77 (min/median/max of 4 runs, main) to 0.79/0.79/0.80 with the
-    split scan. ``ratio`` (wall) is not a measure of the stage on this machine: the raw consumer's wall
-    time per record ranged 1.4-9.7 us between runs whose CPU time was 1.2-1.6 us (it waits on a broker
-    that shares the two cores), and the same code's ``ratio`` spread 0.54-0.93. What is left to 0.8 of
+    Seven runs of main and of the split scan, interleaved (min/median/max): ``ratio_cpu`` 0.70/0.74/0.77
+    -> 0.73/0.79/0.80, ``ratio`` 0.54/0.70/0.93 -> 0.64/0.78/0.93. ``ratio`` (wall) is no measure of the
+    stage on this machine: the raw consumer's wall time per record ranged 1.4-9.7 us between runs
+    whose CPU time was 1.2-1.6 us (it waits on a broker that shares the two cores with load 8-28),
+    so the same code spreads over 0.3 of ``ratio`` from run to run. What is left to 0.8 of
     CPU is the stage's one pass over the records' values, which the raw consumer never touches (the
     first three items above, 0.15-0.2 us), and the candidates' decoding. The one larger lever is
     aiokafka's per-record ``ConsumerRecord``: no documented seam skips it (a ``value_deserializer``
