@@ -212,7 +212,35 @@ async def parse_stage_rate(ctx: BenchContext, topics: TopicNames, raw_topic: str
 
 @register("throughput")
 async def throughput(ctx: BenchContext) -> dict[str, Any]:
-    """Raw consumer and parse stage on the same records, interleaved ``repeats`` times; best of each."""
+    """Raw consumer and parse stage on the same records, interleaved ``repeats`` times; best of each.
+
+    Where a record's time goes (issue 22 part 6; CPU per record, 200,000 kmsg records, 0.1% faults,
+    20,000-record batches, the shared 2-core machine at load 8-15, 2026-11-25):
+
+    - raw consumer 1.2-1.5 us: aiokafka's per-record generator and ``ConsumerRecord`` (about 70% of
+      its samples in py-spy) and the cyclic GC walking each batch's 20,000 fresh records (0.45-0.55 us:
+      with the GC off the raw consumer needs 0.87 us, the stage 1.25 us).
+    - the stage with a no-op ``ParseCore``: 1.55 us against the raw consumer's 1.52 (medians of 5):
+      producer, acknowledgements, commits and the fetch overlap cost nothing measurable.
+    - ``ParseCore`` in the stage 0.3-0.4 us (thread CPU per step): values of the fresh records 0.08
+      (their first touch, cache-cold), lengths 0.05 and min/max 0.02, the NUL join 0.04-0.06, the
+      aho-corasick scan 0.03 (0.11, warm, before its ``\\u`` matcher was split off), offsets 0.015, decoding
+      the 0.2% candidates (faults and 1-in-1000 shape checks, ~30 us each) 0.06, then sending the
+      fault events.
+
+    Seven runs of main and of the split scan, interleaved (min/median/max): ``ratio_cpu`` 0.70/0.74/0.77
+    -> 0.73/0.79/0.80, ``ratio`` 0.54/0.70/0.93 -> 0.64/0.78/0.93. ``ratio`` (wall) is no measure of the
+    stage on this machine: the raw consumer's wall time per record ranged 1.4-9.7 us between runs
+    whose CPU time was 1.2-1.6 us (it waits on a broker that shares the two cores with load 8-28),
+    so the same code spreads over 0.3 of ``ratio`` from run to run. What is left to 0.8 of
+    CPU is the stage's one pass over the records' values, which the raw consumer never touches (the
+    first three items above, 0.15-0.2 us), and the candidates' decoding. The one larger lever is
+    aiokafka's per-record ``ConsumerRecord``: no documented seam skips it (a ``value_deserializer``
+    is one more call per record; there is no batch API), and reading the fetcher's record batches
+    (private ``Fetcher._records``) would tie the stage to aiokafka's internals, so it is not done.
+    GC tuning (``gc.freeze()`` after start, a larger first threshold) would cut 0.3-0.5 us from both
+    sides; it is the worker process's policy, not the stage's.
+    """
     topics = TopicNames(prefix=f"bench-{ctx.run_id}-")
     raw_topic = topics.name("logs_kernel")
     await ensure_topics(

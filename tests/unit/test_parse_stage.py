@@ -67,6 +67,19 @@ def test_unicode_escaped_json_is_never_taken_for_noise() -> None:
     assert result.noise == 0 and [e.code for e in result.events] == [79]
 
 
+def test_a_marker_spelled_with_a_json_escape_is_decoded_and_other_escapes_stay_noise() -> None:
+    """``\\/`` is JSON for ``/`` (some encoders write it): ``NET\\/`` hides the ``NET/`` anchor."""
+    values = [
+        b'{"log": "transport NET\\/Socket : peer closed", "kubernetes": {"host": "node-a"}}',
+        b'{"msg": "mounted \\/var\\/lib with \\"quotes\\"", "priority": 6}',
+        b'{"msg": "nothing here", "priority": 6}',
+    ]
+    for use_automaton in (True, False):
+        core = ParseCore(TOPICS, ParseSettings(shape_check_every=0), use_automaton=use_automaton)
+        assert core.candidates(values) == [0], use_automaton
+    assert prefilter(orjson.loads(values[0])["log"])
+
+
 def test_health_checks_pass_through_as_events_and_bad_ones_are_dead_letters() -> None:
     core = ParseCore(TOPICS)
     ts = datetime(2025, 1, 1, tzinfo=UTC)
@@ -124,6 +137,8 @@ _fragments = st.sampled_from(
         "ordinal",
         "Watchdog",
         "remote process",
+        "NET/",
+        "NET\\/",
         "eth0 up",
         " ",
         "\\u003c",
@@ -147,7 +162,10 @@ def test_gate_keeps_every_payload_the_prefilter_could_pass(lines: list[str]) -> 
                 assert i in wanted, (use_automaton, line)
             if "\\u" in line:
                 assert i in wanted
-        assert wanted <= {i for i, line in enumerate(lines) if prefilter(line) or "\\u" in line or not line}
+        # Over-selection only where a JSON decoder could still reveal a marker: a \\u escape, "NET\\/".
+        assert wanted <= {
+            i for i, line in enumerate(lines) if prefilter(line) or "\\u" in line or "NET\\/" in line or not line
+        }
 
 
 # -- what one record may become (issue 16) ---------------------------------------------------------
