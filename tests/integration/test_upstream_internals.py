@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
 
@@ -279,13 +280,25 @@ async def _topic(bootstrap: str, name: str, records: int = 0) -> TopicPartition:
     return TopicPartition(name, 0)
 
 
+@asynccontextmanager
+async def _started(
+    bootstrap: str, group: str, prepare: Callable[[AIOKafkaConsumer], None] = lambda c: None, **kwargs: Any
+) -> AsyncIterator[AIOKafkaConsumer]:
+    """A started group consumer (committing only by hand); ``prepare`` runs on it before the start."""
+    consumer = kafka_clients.consumer(bootstrap=bootstrap, group_id=group, enable_auto_commit=False, **kwargs)
+    prepare(consumer)
+    await consumer.start()
+    try:
+        yield consumer
+    finally:
+        await consumer.stop()
+
+
 async def test_seek_to_committed_leaves_a_partition_committed_at_zero_or_not_at_all_where_it_is(
     kafka_bootstrap: str, unique: Callable[[str], str]
 ) -> None:
     tp = await _topic(kafka_bootstrap, unique("seek"), records=5)
-    consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, group_id=unique("g"), enable_auto_commit=False)
-    await consumer.start()
-    try:
+    async with _started(kafka_bootstrap, unique("g")) as consumer:
         consumer.assign([tp])
         await consumer.seek_to_end(tp)
         assert await consumer.position(tp) == 5
@@ -301,31 +314,25 @@ async def test_seek_to_committed_leaves_a_partition_committed_at_zero_or_not_at_
         await consumer.commit({tp: 2})
         await consumer.seek_to_committed(tp)
         assert await consumer.position(tp) == 2
-    finally:
-        await consumer.stop()
 
 
 async def test_the_fetch_wait_set_before_start_reaches_the_fetcher(
     kafka_bootstrap: str, unique: Callable[[str], str]
 ) -> None:
-    consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, group_id=unique("g"), fetch_max_wait_ms=1500)
-    consumer._fetch_max_wait_ms = 50  # what fetch_watchdog._ConsumerThread does to Faust's consumer
-    await consumer.start()
-    try:
+    def patch(consumer: AIOKafkaConsumer) -> None:
+        consumer._fetch_max_wait_ms = 50  # what fetch_watchdog._ConsumerThread does to Faust's consumer
+
+    async with _started(kafka_bootstrap, unique("g"), patch, fetch_max_wait_ms=1500) as consumer:
         assert consumer._fetcher._fetch_max_wait_ms == 50, (
             f"{AIOKAFKA} no longer builds its fetcher from AIOKafkaConsumer._fetch_max_wait_ms at start: "
             "fetch_watchdog._ConsumerThread's fetch wait has no effect")
-    finally:
-        await consumer.stop()
 
 
 async def test_the_subscription_state_gives_the_fetch_position(
     kafka_bootstrap: str, unique: Callable[[str], str]
 ) -> None:
     tp = await _topic(kafka_bootstrap, unique("pos"), records=3)
-    consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, group_id=unique("g"), enable_auto_commit=False)
-    await consumer.start()
-    try:
+    async with _started(kafka_bootstrap, unique("g")) as consumer:
         consumer.assign([tp])
         consumer.seek(tp, 2)
         # The fetch watchdog's read (fetch_watchdog.install): position without a round trip.
@@ -333,16 +340,12 @@ async def test_the_subscription_state_gives_the_fetch_position(
         assert position == 2 == await consumer.position(tp), (
             f"{AIOKAFKA} changed AIOKafkaConsumer._subscription.subscription.assignment.state_value(tp)"
             ".position: the fetch watchdog stands down (it catches the error) and stalls go unhealed")
-    finally:
-        await consumer.stop()
 
 
 async def test_force_metadata_update_makes_a_new_topic_known(
     kafka_bootstrap: str, unique: Callable[[str], str]
 ) -> None:
-    consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, group_id=unique("g"))
-    await consumer.start()
-    try:
+    async with _started(kafka_bootstrap, unique("g")) as consumer:
         topic = (await _topic(kafka_bootstrap, unique("md"))).topic
         updated = consumer._client.force_metadata_update()
         assert inspect.isawaitable(updated), f"{AIOKAFKA}: _client.force_metadata_update() is no longer awaitable"
@@ -350,8 +353,6 @@ async def test_force_metadata_update_makes_a_new_topic_known(
         assert consumer.partitions_for_topic(topic) == {0}, (
             f"{AIOKAFKA}: _client.force_metadata_update() no longer refreshes the consumer's metadata "
             "(loki_tail, commands/replay, actuator/testing)")
-    finally:
-        await consumer.stop()
 
 
 async def _static_member(bootstrap: str, group: str, topic: str, instance: str) -> AIOKafkaConsumer:
