@@ -5,17 +5,35 @@ PYTHON ?= python3
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
+LOCK   := requirements.lock
 
-.PHONY: demo test setup infra test-infra lint bench schemas clean
+.PHONY: demo test setup lock infra test-infra lint bench schemas clean
 
-$(STAMP): pyproject.toml
+# The environment is exactly requirements.lock (every package pinned, with its hashes: what CI tested), plus the
+# project itself. A changed lock rebuilds the environment from scratch, so nothing the lock dropped lingers.
+# The build backend (setuptools) comes from the lock too: no build isolation, nothing installed unhashed.
+$(STAMP): $(LOCK) pyproject.toml
+	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --upgrade pip
+	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
 	@# setuptools' note about editable installs is a warning for package authors, not a newcomer's business.
-	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --disable-pip-version-check -e '.[test]'
+	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
 
 setup: $(STAMP)
+
+# Re-resolves requirements.lock from pyproject.toml (its dependencies, the test extra and the build backend),
+# keeping every pin that still fits. `make lock UPGRADE="faust-streaming aiokafka"` moves those to their newest
+# versions within pyproject.toml's ranges, `make lock UPGRADE=all` everything; README, "Upgrading dependencies".
+BUILD_REQUIRES := $(PYTHON) -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['build-system']['requires'], sep='\n')"
+UPGRADE ?=
+# The result replaces the lock only when it differs: an unchanged lock does not rebuild the environment.
+lock: setup
+	cp $(LOCK) $(LOCK).new
+	$(BUILD_REQUIRES) | $(VENV)/bin/uv pip compile --quiet pyproject.toml - --extra test --universal \
+		--generate-hashes --custom-compile-command 'make lock' --output-file $(LOCK).new \
+		$(if $(filter all,$(UPGRADE)),--upgrade,$(addprefix --upgrade-package=,$(UPGRADE)))
+	if cmp -s $(LOCK).new $(LOCK); then rm $(LOCK).new; echo "$(LOCK) unchanged"; else mv $(LOCK).new $(LOCK); fi
 
 # Builds/downloads kube-apiserver, etcd, Loki, Fluent Bit (vendored source), helm and the Kafka jars once, cached
 # under ~/.cache/xidflow: what the demo runs.

@@ -26,6 +26,7 @@ import tarfile
 import tempfile
 from pathlib import Path
 
+from pipeline.localinfra import cache
 from pipeline.localinfra.install import InstallError, Log, _need, apt_install, cache_root, run_logged, user_binary
 
 VERSION = "5.1.1"
@@ -77,7 +78,7 @@ def fluent_bit_target() -> Path:
 
 def fluent_bit_installed() -> bool:
     binary = fluent_bit_target()
-    return binary.exists() and (binary.parent / ".complete").exists()
+    return cache.is_complete(binary.parent, binary.name)
 
 
 def ensure_fluent_bit(log: Log = print) -> Path:
@@ -143,7 +144,6 @@ def _ensure_build_prerequisites(log: Log) -> None:
 def _build(tarball: Path, binary: Path, log: Log) -> Path:
     target = binary.parent
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-fluentbit-"))
-    staging = target.with_name(target.name + f".partial-{os.getpid()}")
     try:
         log(f"unpacking {tarball.name}")
         with tarfile.open(tarball) as tar:
@@ -157,16 +157,12 @@ def _build(tarball: Path, binary: Path, log: Log) -> Path:
         jobs = str(max(1, os.cpu_count() or 1))
         run_logged(["make", f"-j{jobs}", "fluent-bit-bin"], build,
                    f"building Fluent Bit {VERSION} (make, minutes on a cold build)", log, meter=cmake_percent)
-        staging.mkdir(parents=True)
-        shutil.copy2(build / "bin" / "fluent-bit", staging / "fluent-bit")
-        (staging / ".complete").write_text(VERSION)
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        with cache.publishing(target, VERSION, binary.name) as staging:
+            shutil.copy2(build / "bin" / "fluent-bit", staging / "fluent-bit")
         log(f"Fluent Bit {VERSION} installed in {target}")
         return binary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 _PERCENT = re.compile(r"^\[\s*(\d+)%\]")

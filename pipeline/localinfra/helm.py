@@ -15,6 +15,7 @@ import subprocess
 import tempfile
 from pathlib import Path
 
+from pipeline.localinfra import cache
 from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root, go_build
 
 HERE = Path(__file__).parent
@@ -41,32 +42,24 @@ def ensure_helm(log: Log = print) -> Path:
     version = helm_version()
     binary = helm_target()
     target = binary.parent
-    if (target / ".complete").exists() and binary.exists():
+    if cache.is_complete(target, binary.name):
         return binary
     go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-helmbuild-"))
-    staging = target.with_name(target.name + f".partial-{os.getpid()}")
     try:
         shutil.copy(HELM_GOMOD, tmp / "go.mod")
         shutil.copy(HELM_GOSUM, tmp / "go.sum")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
         ldflags = f"-s -w -X helm.sh/helm/v3/internal/version.version={version}"
-        go_build(
-            go, ["-trimpath", f"-ldflags={ldflags}", "-o", str(staging / "helm"), HELM_PACKAGE],
-            tmp, f"building helm {version} with Go (a minute or two on a cold cache)", log, env, target,
-        )
-        (staging / ".complete").write_text(version)
-        if (target / ".complete").exists() and binary.exists():  # another process won the race
-            return binary
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        with cache.publishing(target, version, binary.name) as staging:
+            go_build(
+                go, ["-trimpath", f"-ldflags={ldflags}", "-o", str(staging / "helm"), HELM_PACKAGE],
+                tmp, f"building helm {version} with Go (a minute or two on a cold cache)", log, env, target,
+            )
         log(f"helm {version} installed in {target}")
         return binary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def helm_template(

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+from pipeline.localinfra import cache
+
 HERE = Path(__file__).parent
 POM = HERE / "kafka" / "pom.xml"
 GOMOD = HERE / "gobuild" / "go.mod"
@@ -187,23 +189,19 @@ def ensure_kafka(log: Log = print) -> KafkaDist:
     version = kafka_version()
     target = cache_root() / "kafka" / f"{version}-{_digest(POM)}"
     libs = target / "libs"
-    if (target / ".complete").exists():
+    if cache.is_complete(target, libs.name):
         return KafkaDist(version, libs)
     mvn = _need("mvn", "install Java 17 and Maven (Debian: apt-get install openjdk-17-jdk-headless maven)")
     _need("java", "install Java 17 (Debian: apt-get install openjdk-17-jdk-headless)")
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-kafka-"))
     try:
         shutil.copy(POM, tmp / "pom.xml")
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        run_logged(
-            [mvn, "-B", "dependency:copy-dependencies", f"-DoutputDirectory={staging / 'libs'}",
-             "-DincludeScope=runtime"],
-            tmp, f"resolving Kafka {version} jars with Maven", log, meter=maven_meter(), cached_in=target,
-        )
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        (target / ".complete").write_text(version)
+        with cache.publishing(target, version, libs.name) as staging:
+            run_logged(
+                [mvn, "-B", "dependency:copy-dependencies", f"-DoutputDirectory={staging / libs.name}",
+                 "-DincludeScope=runtime"],
+                tmp, f"resolving Kafka {version} jars with Maven", log, meter=maven_meter(), cached_in=target,
+            )
         log(f"Kafka {version} installed in {target}")
         return KafkaDist(version, libs)
     finally:
@@ -222,33 +220,28 @@ def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
     version = kubernetes_version()
     target = cache_root() / "controlplane" / f"{version}-{_digest(GOMOD, GOSUM)}"
     dist = ControlPlaneDist(version, target / "kube-apiserver", target / "etcd")
-    if (target / ".complete").exists():
+    if cache.is_complete(target, dist.kube_apiserver.name, dist.etcd.name):
         return dist
     go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-gobuild-"))
     try:
         shutil.copy(GOMOD, tmp / "go.mod")
         shutil.copy(GOSUM, tmp / "go.sum")
-        staging = target.with_name(target.name + ".partial")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
-        go_build(
-            go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", "k8s.io/kubernetes/cmd/kube-apiserver",
-                 "go.etcd.io/etcd/server/v3"],
-            tmp, f"building kube-apiserver {version} and etcd with Go (minutes on a cold cache)", log, env, target,
-        )
-        (staging / "server").rename(staging / "etcd")
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
-        (target / ".complete").write_text(version)
+        with cache.publishing(target, version, dist.kube_apiserver.name, dist.etcd.name) as staging:
+            go_build(
+                go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", "k8s.io/kubernetes/cmd/kube-apiserver",
+                     "go.etcd.io/etcd/server/v3"],
+                tmp, f"building kube-apiserver {version} and etcd with Go (minutes on a cold cache)", log, env,
+                target,
+            )
+            (staging / "server").rename(staging / dist.etcd.name)
         log(f"kube-apiserver {version} and etcd installed in {target}")
         return dist
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-# -- `xidflow local install`: the steps, with progress -------------------------------------------------------
 @dataclass(frozen=True)
 class InstallStep:
     """One thing `xidflow local install` installs: a title and the function that installs it."""

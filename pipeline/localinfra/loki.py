@@ -26,7 +26,7 @@ from pathlib import Path
 
 import orjson
 
-from pipeline.localinfra import procs
+from pipeline.localinfra import cache, procs
 from pipeline.localinfra.install import InstallError, Log, _digest, _need, cache_root, go_build
 
 HERE = Path(__file__).parent
@@ -52,7 +52,7 @@ def loki_target() -> Path:
 
 def loki_installed() -> bool:
     binary = loki_target()
-    return (binary.parent / ".complete").exists() and binary.exists()
+    return cache.is_complete(binary.parent, binary.name)
 
 
 def ensure_loki(log: Log = print) -> Path:
@@ -75,29 +75,21 @@ def ensure_loki(log: Log = print) -> Path:
 def _build(go: str, version: str, binary: Path, log: Log) -> Path:
     target = binary.parent
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-lokibuild-"))
-    staging = target.with_name(target.name + f".partial-{os.getpid()}")
     try:
         shutil.copy(LOKI_GOMOD, tmp / "go.mod")
         shutil.copy(LOKI_GOSUM, tmp / "go.sum")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
         env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
         build_info = "github.com/grafana/loki/v3/pkg/util/build"
         ldflags = f"-s -w -X {build_info}.Version={version.lstrip('v')} -X {build_info}.Branch=xidflow"
-        go_build(
-            go, ["-trimpath", "-tags=netgo", f"-ldflags={ldflags}", "-o", str(staging / "loki"), LOKI_PACKAGE],
-            tmp, f"building Loki {version} with Go (several minutes on a cold cache)", log, env, target,
-        )
-        (staging / ".complete").write_text(version)
-        if loki_installed():  # another process won the race
-            return binary
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        with cache.publishing(target, version, binary.name) as staging:
+            go_build(
+                go, ["-trimpath", "-tags=netgo", f"-ldflags={ldflags}", "-o", str(staging / "loki"), LOKI_PACKAGE],
+                tmp, f"building Loki {version} with Go (several minutes on a cold cache)", log, env, target,
+            )
         log(f"Loki {version} installed in {target}")
         return binary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def loki_config(root: Path, http_port: int, grpc_port: int) -> str:

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import yaml
 
+from pipeline.localinfra import cache
 from pipeline.localinfra.install import (
     InstallError,
     Log,
@@ -103,7 +104,7 @@ def otelcol_target() -> Path:
 
 def otelcol_installed() -> bool:
     binary = otelcol_target()
-    return (binary.parent / ".complete").exists() and binary.exists()
+    return cache.is_complete(binary.parent, binary.name)
 
 
 def ensure_otelcol(log: Log = print) -> Path:
@@ -153,27 +154,19 @@ def _generate(go: str, version: str, dist: Path, log: Log, *, get_modules: bool)
 def _build(go: str, version: str, binary: Path, log: Log) -> Path:
     target = binary.parent
     tmp = Path(tempfile.mkdtemp(prefix="xidflow-otelbuild-"))
-    staging = target.with_name(target.name + f".partial-{os.getpid()}")
     try:
         dist = tmp / "dist"
         _generate(go, version, dist, log, get_modules=False)
         shutil.copy(OTEL_GOMOD, dist / "go.mod")
         shutil.copy(OTEL_GOSUM, dist / "go.sum")
-        shutil.rmtree(staging, ignore_errors=True)
-        staging.mkdir(parents=True)
-        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."], dist,
-                 f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
-                 _go_env(), cached_in=target)
-        (staging / ".complete").write_text(version)
-        if otelcol_installed():  # another process won the race
-            return binary
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        with cache.publishing(target, version, binary.name) as staging:
+            go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."], dist,
+                     f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
+                     _go_env(), cached_in=target)
         log(f"OpenTelemetry Collector {version} installed in {target}")
         return binary
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        shutil.rmtree(staging, ignore_errors=True)
 
 
 def regenerate(log: Log = print) -> None:

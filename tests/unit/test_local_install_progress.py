@@ -68,11 +68,14 @@ def test_local_install_with_a_warm_cache_reports_every_step(tmp_path: Path, monk
     import pipeline.commands.local as local_command
 
     monkeypatch.setattr(local_command, "install_steps", lambda: install.install_steps()[:2])
-    for step_dir in (
-        tmp_path / "kafka" / f"{install.kafka_version()}-{install._digest(install.POM)}",
-        tmp_path / "controlplane" / f"{install.kubernetes_version()}-{install._digest(install.GOMOD, install.GOSUM)}",
+    for step_dir, parts in (
+        (tmp_path / "kafka" / f"{install.kafka_version()}-{install._digest(install.POM)}", ["libs"]),
+        (tmp_path / "controlplane" / f"{install.kubernetes_version()}-{install._digest(install.GOMOD, install.GOSUM)}",
+         ["kube-apiserver", "etcd"]),
     ):
         step_dir.mkdir(parents=True)
+        for part in parts:
+            (step_dir / part).touch()
         (step_dir / ".complete").write_text("x")
     result = CliRunner(env={"XIDFLOW_CACHE_DIR": str(tmp_path)}).invoke(cli, ["local", "install", "--no-loki"])
     assert result.exit_code == 0, result.output
