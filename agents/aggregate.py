@@ -26,7 +26,7 @@ from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.fetch_watchdog import GuardedConsumer
-from schemas.records import DeadLetter, DeadLetterCode, FaultEvent, NodeIncident, NodeRecovered
+from schemas.records import DeadLetter, DeadLetterCode, FabricSignal, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
     from pipeline.app import XidflowApp
@@ -97,7 +97,7 @@ async def _apply_batch(
             state = aggregator.new_state(key.decode("utf-8", "replace"))
         else:
             state = NodeState.from_bytes(stored)
-        outputs = []
+        outputs: list[NodeIncident | NodeRecovered | FabricSignal] = []
         for event in node_events:
             msg = event.message
             try:
@@ -105,7 +105,11 @@ async def _apply_batch(
                     state, out = aggregator.tick(state, now)
                 else:
                     fault = FaultEvent.from_bytes(msg.value)
-                    state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
+                    signals: list[FabricSignal] = []
+                    state, out = aggregator.step(
+                        state, fault, now, position=(msg.partition, msg.offset), signals=signals
+                    )
+                    out = [*out, *signals]
             except Exception as exc:  # noqa: BLE001 - the worker never dies on input
                 reason = f"invalid fault event at {msg.topic}[{msg.partition}]@{msg.offset}: {str(exc).splitlines()[0]}"
                 deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
@@ -135,7 +139,9 @@ async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -
     return await xapp.app.producer.send(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
-def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
+def _observe(record: NodeIncident | NodeRecovered | FabricSignal, now: float) -> None:
+    if isinstance(record, FabricSignal):
+        return  # not an incident: the actuator's shared-part correlation counts them
     if isinstance(record, NodeRecovered):
         metrics.RECOVERIES.labels(record.reason).inc()
         return

@@ -27,9 +27,17 @@ from pipeline.actuator import signing
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.group_membership import leave_on_close
 from pipeline.settings import ConsumerGroupSettings
-from schemas.records import ACTUATOR_INPUT, DeadLetter, DeadLetterCode, NodeIncident, NodeRecovered, RescueActionRequest
+from schemas.records import (
+    ACTUATOR_INPUT,
+    DeadLetter,
+    DeadLetterCode,
+    FabricSignal,
+    NodeIncident,
+    NodeRecovered,
+    RescueActionRequest,
+)
 
-ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest
+ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest | FabricSignal
 Handler = Callable[[ActuatorRecord, Callable[[], None]], Awaitable[None]]
 
 log = logging.getLogger("xidflow.actuator.consumer")
@@ -76,7 +84,7 @@ class OffsetTracker:
             self._committed.pop(tp, None)
 
 
-_TOPIC_TYPES = {"incidents": ("incident", "recovered"), "requests": ("rescue_request",)}
+_TOPIC_TYPES = {"incidents": ("incident", "recovered", "fabric_signal"), "requests": ("rescue_request",)}
 
 
 class UndecodableRecord(ValueError):
