@@ -304,6 +304,8 @@ def _raise_for(prefix: str, exc: ValidationError) -> None:
     own = re.match(r"Value error, (\w+): (.*)", msg)
     if own:
         path, msg = f"{path}.{own.group(1)}", own.group(2)
+    else:
+        msg = msg.removeprefix("Value error, ")
     raise PolicyError(f"{path}: {msg}") from None
 
 
