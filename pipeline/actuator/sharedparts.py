@@ -64,6 +64,12 @@ def part_message(inc: SharedPartIncident) -> str:
     )
 
 
+def part_of_message(message: str) -> str:
+    """``<label>=<value>`` from a ``part_message`` (what ``xidflow status`` shows)."""
+    head = message.removeprefix("shared part ")
+    return head.split(" suspected", 1)[0] if head != message else message
+
+
 def part_display(inc: SharedPartIncident) -> str:
     """What audit records name in place of a node: ``part:<name>=<value>``."""
     return f"part:{inc.part}={inc.value}"
