@@ -177,16 +177,21 @@ class SharedParts:
                 {"apiVersion": "v1", "kind": "Node", "name": inc.nodes[0], "uid": inc.nodes[0]},
                 REASON, part_message(inc),
             )
+            # The first record of the incident goes to the notifier (a person is told once, "switch X is");
+            # later revisions (nodes joining) are audited only. Ids are deterministic: the first record's
+            # is the same whichever revision two racing replicas saw, so receivers keep one notification.
+            first = ps.event_for is None
             record = make_record(
                 node=part_display(inc), flow_key=inc.incident_id, action=AUDIT_ACTION, outcome=Outcome.APPLIED,
                 reason=part_message(inc), worker_id=s.worker_id, dry_run=s.dry_run,
-                details={"revision": inc.revision, "tainted": sorted({*ps.applied, *done}), "skipped": skipped},
+                details={"revision": inc.revision, "tainted": sorted({*ps.applied, *done}), "skipped": skipped,
+                         "notified": first},
             )
-            # One record per revision (make_record's id would be one per incident).
             record = record.model_copy(update={
-                "record_id": stable_id("shared-part", inc.incident_id, inc.revision), "shared_part": inc,
+                "record_id": stable_id("shared-part", inc.incident_id, "opened" if first else inc.revision),
+                "shared_part": inc,
             })
-            await self.auditor.emit(record)
+            await self.auditor.emit(record, tell=first)
 
         def mark(state: dict[str, Any]) -> None:
             entry = (state.get("parts") or {}).get(key)
@@ -197,7 +202,7 @@ class SharedParts:
                 return
             for node in [*done, *skipped]:
                 current.applied[node] = inc.revision
-            if event and (current.event_for or -1) < inc.revision:
+            if event and (current.event_for if current.event_for is not None else -1) < inc.revision:
                 current.event_for = inc.revision
             state["parts"][key] = current.model_dump(mode="json")
 
