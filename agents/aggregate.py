@@ -83,6 +83,7 @@ async def _apply_batch(
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
     incidents_topic = xapp.incidents.get_topic_name()
+    signals_topic = xapp.topics.name("fabric_signals")  # not incidents: the shared-part correlation's input
     for event in events:
         key = event.message.key
         if not key:
@@ -120,7 +121,8 @@ async def _apply_batch(
             # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
             # its "attachments") waits for the broker's acknowledgement of each record before it
             # returns, one round trip per incident; here they are all awaited together below.
-            deliveries.append(await _send(xapp, incidents_topic, key, record.to_bytes()))
+            topic = signals_topic if isinstance(record, FabricSignal) else incidents_topic
+            deliveries.append(await _send(xapp, topic, key, record.to_bytes()))
             _observe(record, now)
     # The state is written only after the broker has the incidents (and dead letters): a crash in
     # between replays the events and sends the same incidents again (same ids), never loses one

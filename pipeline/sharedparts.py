@@ -9,7 +9,7 @@ one; here they are grouped by the topology labels the operator names in the poli
 Two stages, each where its input lives:
 
 1. **Per node, in the aggregation** (``fabric_signal``, called by ``Aggregator.step``): a fabric-class
-   event becomes a ``FabricSignal`` on the incidents topic, keyed by node, at most once per node per
+   event becomes a ``FabricSignal`` on its own topic (``gpu.fabric.signals``), keyed by node, at most once per node per
    ``debounce_window_s`` of event time (a storm of a million lines is a handful of signals). The
    worker has no Kubernetes access and no policy, so it cannot know a node's rack or switch, and it
    needs neither: the node's lines stay on its partition, and its own incidents are unchanged (a

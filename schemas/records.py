@@ -239,7 +239,7 @@ class NodeRecovered(Record):
 class FabricSignal(Record):
     """A node reported a fabric-class fault (NCCL transport, NVLink, SXid, fallen off the bus).
 
-    Emitted by the aggregation on the incidents topic, keyed by node, at most once per node per
+    Emitted by the aggregation on ``gpu.fabric.signals``, keyed by node, at most once per node per
     ``debounce_window_s`` of event time while the faults go on: the input of the shared-part
     correlation (``pipeline.sharedparts``), which groups nodes by the topology labels the policy
     names. It says nothing about the node alone; the node's own incidents are separate records.
@@ -332,7 +332,7 @@ ActuatorInput = Annotated[
     | Annotated[FabricSignal, Tag("fabric_signal")],
     Discriminator(_record_type),
 ]
-"""Everything the actuator consumes: incidents, recoveries and fabric signals (incidents topic), rescue requests."""
+"""Everything the actuator consumes: incidents and recoveries (incidents topic), fabric signals, rescue requests."""
 
 ACTUATOR_INPUT: TypeAdapter[NodeIncident | NodeRecovered | RescueActionRequest | FabricSignal] = TypeAdapter(
     ActuatorInput

@@ -115,6 +115,7 @@ class Actuator:
             self.handle,
             s.max_in_flight,
             s.commit_interval_seconds,
+            fabric_topic=self.topics.name("fabric_signals"),
         )
         self.consumer.refuse = lambda r, why: self.auditor.emit(  # issue 12: audit refused (unsigned) requests
             signing.refusal(r.node_name, r.request_id, r.requested_by, why, s.worker_id))

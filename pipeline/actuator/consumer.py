@@ -84,7 +84,11 @@ class OffsetTracker:
             self._committed.pop(tp, None)
 
 
-_TOPIC_TYPES = {"incidents": ("incident", "recovered", "fabric_signal"), "requests": ("rescue_request",)}
+_TOPIC_TYPES = {
+    "incidents": ("incident", "recovered"),
+    "requests": ("rescue_request",),
+    "fabric": ("fabric_signal",),
+}
 
 
 class UndecodableRecord(ValueError):
@@ -138,8 +142,11 @@ class ActuatorConsumer:
         max_in_flight: int = 5000,
         commit_interval: float = 0.5,
         group: ConsumerGroupSettings | None = None,
+        fabric_topic: str | None = None,
     ) -> None:
         self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
+        if fabric_topic:  # FabricSignal records for the shared-part correlation (pipeline.actuator.sharedparts)
+            self.topics[fabric_topic] = "fabric"
         self.deadletter_topic = deadletter_topic
         self._dead_letters = DeadLetterReporter(metrics.ACTUATOR_DEADLETTERS)
         self.handle = handle

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import orjson
 import pytest
+from aiokafka import AIOKafkaConsumer, TopicPartition
 
 from pipeline.actuator.breaker import read_json_configmap
 from pipeline.actuator.sharedparts import AUDIT_ACTION, CONDITION_TYPE, REASON, parts_of
@@ -66,6 +67,26 @@ spec:
 def pod_line(node: str, line: str, at: float) -> bytes:
     return orjson.dumps({"log": line, "time": at, "kubernetes": {
         "host": node, "pod_name": f"{node}-trainer", "namespace_name": "ml", "container_name": "main"}})
+
+
+async def read_topic(bootstrap: str, topic: str) -> list[dict]:
+    """Every record of the topic so far, decoded."""
+    consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap, enable_auto_commit=False, group_id=None)
+    await consumer.start()
+    try:
+        await consumer._client.force_metadata_update()  # as read_audit: the topic's partitions, now
+        tps = [TopicPartition(topic, p) for p in consumer.partitions_for_topic(topic) or ()]
+        assert tps, f"topic {topic} has no partitions"
+        consumer.assign(tps)
+        await consumer.seek_to_beginning(*tps)
+        end = await consumer.end_offsets(tps)
+        out: list[dict] = []
+        while [tp for tp in tps if await consumer.position(tp) < end[tp]]:
+            for records in (await consumer.getmany(timeout_ms=500)).values():
+                out += [orjson.loads(r.value) for r in records]
+        return out
+    finally:
+        await consumer.stop()
 
 
 def xidflow(kubeconfig: str, env: Env, *args: str) -> str:
@@ -150,7 +171,8 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
             while time.monotonic() < deadline:
                 await pipe.poll()
             incidents = {n: [i for i in pipe.incidents(n) if i.get("type") == "incident"] for n in leaf7 + leaf8}
-            signals = [i for n in leaf7 + leaf8 for i in pipe.incidents(n) if i.get("type") == "fabric_signal"]
+            signals = await read_topic(kafka_bootstrap, env.topics.name("fabric_signals"))
+            assert not [i for n in leaf7 + leaf8 for i in pipe.incidents(n) if i.get("type") == "fabric_signal"]
 
         state = await read_json_configmap(env.kube, env.namespace, "xidflow-shared-parts")
         opened = [p for p in parts_of(state) if p.incident is not None]
@@ -171,7 +193,8 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
             if r.action != AUDIT_ACTION and r.node in leaf7 + leaf8:
                 print(f"{r.node} {r.incident_id} {r.action} {r.outcome.value} {r.reason[:80]}")
         print("--- xidflow breaker status ---\n" + json.dumps(breaker, indent=1))
-        print(f"--- fabric signals on the incidents topic: {len(signals)} for {len(storm)} storm records ---")
+        print(f"--- fabric signals: {len(signals)} on {env.topics.name('fabric_signals')} for {len(storm)} storm "
+              f"records (pod lines and the Xid 79) ---")
 
         # One shared-part incident, for leaf-7, naming the twelve nodes; nothing for leaf-8's two.
         assert [(p.label, p.value) for p in opened] == [(SWITCH, "leaf-7")]
