@@ -73,6 +73,19 @@ def fault_class(event: FaultEvent, catalog: Catalog) -> str | None:
     return None
 
 
+def blamed_on_part(kind: FaultKind, code: int | None, signature: str, catalog: Catalog) -> bool:
+    """Whether a node incident of this kind is one a shared part explains (NVLink, SXid, a pod's NVLink error),
+    so that a node already blamed on an open part is not also quarantined for it. A lost GPU (Xid 79, fallen
+    off the bus) is the node's own: it counts towards a part but is still handled as the node's incident."""
+    if kind is FaultKind.SXID:
+        return True
+    if kind is FaultKind.XID:
+        return catalog.workflow(code) != "gpu_lost" and catalog.problem("xid", code) == "nvlink"
+    if kind is FaultKind.POD_ERROR:
+        return any(name in signature for name in POD_NVLINK_SIGNALS)
+    return False
+
+
 def fabric_signal(
     node: str, last_emitted: float | None, event: FaultEvent, signature: str, catalog: Catalog, every_s: float
 ) -> FabricSignal | None:

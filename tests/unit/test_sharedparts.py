@@ -254,3 +254,31 @@ def test_the_incident_round_trips_as_json() -> None:
         observe(part, signal(f"n{i}", float(i)), part="p", min_nodes=3, window_s=60)
     assert part.incident is not None
     assert SharedPartIncident.from_bytes(part.incident.to_bytes()) == part.incident
+
+
+# -- a node already blamed on a part ------------------------------------------------------------------------
+def test_a_fabric_incident_on_a_node_blamed_on_an_open_part_is_not_a_node_quarantine() -> None:
+    from pipeline.actuator.plan import plan_incident
+    from pipeline.actuator.settings import ActuatorSettings
+    from schemas.records import Action
+    from tests.unit.test_actuator_plan import NOW, incident, node
+
+    ledger = Ledger()
+    ledger.flow("part-1", NOW)
+    ledger.set_flow_value("part-1", "part", "example.com/ib-switch=leaf-7", NOW)
+    ledger.own(taint_effect_key(taint_key("ib-switch"), "NoSchedule"), "part-1")
+    policies = load_yaml_text(POLICY)
+    settings = ActuatorSettings()
+    sxid = incident(code=24007, action=Action.RESET_GPU, kind=FaultKind.SXID, iid="sxid-1")
+    nvlink = incident(code=74, action=Action.RESET_GPU, iid="nvlink-1")
+    xid79 = incident(code=79, iid="xid79-1")
+    for inc in (sxid, nvlink):
+        plan = plan_incident(inc, policies, node(ledger=ledger), settings, NOW)
+        assert plan.skip_reason == "blamed on shared part example.com/ib-switch=leaf-7" and not plan.steps
+        assert plan_incident(inc, policies, node(), settings, NOW).steps  # no part: the node's own rule
+    # A lost GPU is the node's own fault, part or not.
+    assert [s.name for s in plan_incident(xid79, policies, node(ledger=ledger), settings, NOW).steps][:2] == [
+        "cordon", "taint"]
+    # Once the part's effects are removed (xidflow reset), the node's rules apply again.
+    ledger.owned.clear()
+    assert plan_incident(sxid, policies, node(ledger=ledger), settings, NOW).skip_reason is None
