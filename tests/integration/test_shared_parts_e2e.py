@@ -51,6 +51,7 @@ NCCL_LINES = (  # the documented shapes (tests/corpus/pod_corpus.yaml): NCCL's I
     "{node}:5776:5902 [0] transport/net_ib.cc:1296 NCCL WARN NET/IB : Got completion from peer 10.2.0.5<33092> "
     "with error 12, opcode 0, len",
 )
+SXID = "nvidia-nvswitch0: SXid (PCI:0000:c3:00.0): 24007, Fatal, Link 28 sourcetrack timeout error (First)"
 XID79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 POLICY = f"""
 kind: RescuePolicy
@@ -150,6 +151,10 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
                 return True
 
             await wait_until(part_applied, 240, poll=0.5, what="the part's taint on the twelve nodes")
+            # The switch's NVSwitch reports a fatal SXid on one of the twelve: the part explains it, and the
+            # node rule (quarantine + drain for SXid) is not applied on top.
+            sxid_node = leaf7[0]
+            await pipe.kernel(sxid_node, SXID, time.time())
 
             async def quarantined(node: str) -> bool:
                 reps.alive()
@@ -166,6 +171,11 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
                 return not await pods_on(env.kube, node)
 
             await wait_until(lambda: drained(own_fault), 120, poll=0.5, what="the Xid 79 node drained")
+
+            async def sxid_decided() -> bool:
+                return any(r.node == sxid_node and r.action == "decide" for r in await env.audit())
+
+            await wait_until(sxid_decided, 120, poll=0.5, what="the SXid incident decided")
             await asyncio.sleep(3)  # anything else the storm would have caused has had time to happen
             deadline = time.monotonic() + 3
             while time.monotonic() < deadline:
@@ -220,7 +230,14 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
                 problems.append(f"{node}: quarantined as a node")
             if await pods_on(env.kube, node) != [f"{node}-trainer"]:
                 problems.append(f"{node}: pods {await pods_on(env.kube, node)} (drained?)")
-            if incidents[node]:
+            if node == sxid_node:
+                if [i["kind"] for i in incidents[node]] != ["sxid"]:
+                    problems.append(f"{node}: incidents {incidents[node]}")
+                skipped = [r for r in audit if r.node == node and r.action == "decide"]
+                if [(r.outcome.value, r.reason) for r in skipped] != [("skipped",
+                                                                       f"blamed on shared part {SWITCH}=leaf-7")]:
+                    problems.append(f"{node}: decisions {[(r.outcome.value, r.reason) for r in skipped]}")
+            elif incidents[node]:
                 problems.append(f"{node}: node incidents {incidents[node]}")
         # The Xid 79 node: its own incident, quarantined and drained as the rule says.
         if [i["code"] for i in incidents[own_fault]] != [79]:
