@@ -107,6 +107,35 @@ def needs_work(ps: PartState) -> bool:
     return ps.event_for != inc.revision or any(node not in ps.applied for node in inc.nodes)
 
 
+def forget_node(state: dict[str, Any], key: str, node: str) -> bool:
+    """A person reset the node (``xidflow reset``): it leaves the part's incident; the incident closes (the
+    part's entry is dropped) when none of its nodes is left. Pure; True when the state changed.
+
+    A node reset while its part still fails comes back with its next fabric signal, as a new member.
+    """
+    entry = (state.get("parts") or {}).get(key)
+    if entry is None:
+        return False
+    ps = PartState.model_validate(entry)
+    if ps.incident is None or node not in ps.incident.nodes:
+        return False
+    ps.applied.pop(node, None)
+    ps.members.pop(node, None)
+    ps.incident.nodes = [n for n in ps.incident.nodes if n != node]
+    if not ps.incident.nodes:
+        del state["parts"][key]
+    else:
+        state["parts"][key] = ps.model_dump(mode="json")
+    return True
+
+
+async def forget_reset_node(kube: Kube, settings: ActuatorSettings, key: str, node: str) -> None:
+    """``forget_node`` in the ConfigMap (``xidflow reset``)."""
+    await update_json_configmap(
+        kube, settings.namespace, settings.shared_parts_configmap, lambda state: forget_node(state, key, node)
+    )
+
+
 def parts_of(state: dict[str, Any]) -> list[PartState]:
     """Every part in the ConfigMap's state (what ``xidflow status`` shows)."""
     return [PartState.model_validate(v) for _, v in sorted((state.get("parts") or {}).items())]

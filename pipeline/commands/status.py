@@ -384,6 +384,7 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.plan import NodeView
     from pipeline.actuator.policy import PolicySet
+    from pipeline.actuator.sharedparts import forget_reset_node
     from schemas.records import NodeRecovered
 
     act = Actuator(settings, kubeconfig=path, policies=PolicySet())
@@ -405,7 +406,10 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
                             incident_id=flow, node=view.name, reason="manual", detail=f"xidflow reset by {who}"
                         )
                     )
-                    done.append(f"{view.name}: {flow}")
+                    part = (view.ledger.flows.get(flow) or {}).get("part")
+                    if part:  # the node leaves the shared part's incident; the last one closes it
+                        await forget_reset_node(act.kube, settings, str(part), view.name)
+                    done.append(f"{view.name}: {flow}" + (f" (shared part {part})" if part else ""))
         finally:
             await act.auditor.stop()
         return done

@@ -254,6 +254,18 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
         assert by_node[leaf7[0]]["shared_parts"] == [f"{SWITCH}=leaf-7"]
         assert not any(by_node[n]["breaker"]["counted"] for n in leaf7 if n != own_fault)
         assert f"{SWITCH}=leaf-7" in status_table
+        # The switch is replaced; the operator resets the twelve: the part's taint and condition go, and the
+        # part's incident closes with its last node.
+        reset = xidflow(kubeconfig, env, "reset", *[a for n in leaf7 for a in ("--node", n)])
+        print("--- xidflow reset ---\n" + reset)
+        assert f"(shared part {SWITCH}=leaf-7)" in reset
+        for node in leaf7:
+            obj = await env.node(node)
+            assert not [t for t in obj["spec"].get("taints") or [] if t["key"] == PART_TAINT], node
+            cond = [c for c in obj["status"].get("conditions") or [] if c["type"] == CONDITION_TYPE]
+            assert cond and cond[0]["status"] == "False", (node, cond)
+        state = await read_json_configmap(env.kube, env.namespace, "xidflow-shared-parts")
+        assert [p for p in parts_of(state) if p.incident is not None] == []
     finally:
         reps.stop()
         worker.stop()

@@ -282,3 +282,20 @@ def test_a_fabric_incident_on_a_node_blamed_on_an_open_part_is_not_a_node_quaran
     # Once the part's effects are removed (xidflow reset), the node's rules apply again.
     ledger.owned.clear()
     assert plan_incident(sxid, policies, node(ledger=ledger), settings, NOW).skip_reason is None
+
+
+def test_a_reset_node_leaves_the_part_and_the_last_one_closes_it() -> None:
+    from pipeline.actuator.sharedparts import forget_node
+
+    rule = load_yaml_text(POLICY).shared_parts[0]
+    state: dict = {}
+    for i in range(3):
+        observe_all(state, signal(f"n{i}", float(i)), [(rule, "leaf-7")], 0.0)
+    key = "example.com/ib-switch=leaf-7"
+    assert forget_node(state, key, "n0")
+    assert PartState.model_validate(state["parts"][key]).incident.nodes == ["n1", "n2"]
+    assert not forget_node(state, key, "n0")  # already gone
+    assert forget_node(state, key, "n1") and forget_node(state, key, "n2")
+    assert key not in state["parts"]  # closed: a new storm opens a new incident
+    pending = [observe_all(state, signal(f"n{i}", 100.0 + i), [(rule, "leaf-7")], 0.0) for i in range(3)]
+    assert pending[-1] == [key]
