@@ -27,6 +27,7 @@ import asyncio
 import logging
 import random
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.actuator import conditions, effects
@@ -87,7 +88,8 @@ def observe_all(
     for rule, value in matches:
         key = part_key(rule.label, value)
         ps = PartState.model_validate(parts[key]) if key in parts else PartState(label=rule.label, value=value)
-        observe(ps, signal, part=rule.part, min_nodes=rule.min_nodes, window_s=rule.window, rule=rule.part)
+        observe(ps, signal, part=rule.part, min_nodes=rule.min_nodes, window_s=rule.window, rule=rule.part,
+                now=datetime.fromtimestamp(now_ts, UTC))
         parts[key] = ps.model_dump(mode="json")
         if needs_work(ps):
             pending.append(key)
