@@ -173,7 +173,10 @@ def observe(
     if inc is not None:
         if ts > inc.last_seen.timestamp():
             inc.last_seen = _dt(ts)
-        if signal.node in inc.nodes or signal.node not in state.members:
+        if signal.node in inc.nodes:
+            _add(inc, signal)  # a new fault class of a node already named (no new revision: same nodes)
+            return None
+        if signal.node not in state.members:
             return None
         inc.nodes = sorted({*inc.nodes, signal.node})
         _add(inc, signal)

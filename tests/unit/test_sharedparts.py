@@ -117,6 +117,9 @@ def test_k_nodes_within_the_window_open_one_incident_and_later_nodes_join() -> N
     assert inc is not None and inc.nodes == ["n0", "n1", "n2", "n3", "n4"] and inc.revision == 2
     assert (inc.label, inc.value, inc.part, inc.min_nodes) == ("example.com/ib-switch", "leaf-7", "ib-switch", 3)
     assert inc.first_seen == T and inc.last_seen == T + timedelta(seconds=40)
+    # A node already named reports another class (its GPU fell off the bus): shown, no new revision.
+    assert observe(part, signal("n1", 45.0, cls="gpu_lost"), part="ib-switch", min_nodes=3, window_s=60) is None
+    assert inc.fault_classes == ["gpu_lost", "nccl_transport"] and inc.revision == 2
 
 
 def test_nodes_further_apart_than_the_window_do_not_correlate() -> None:
