@@ -221,8 +221,9 @@ class NodeState(BaseModel):
         description="Highest offset of an applied event no longer in ``recent_ids``: an event above it that "
         "is not among them was never applied, even if it comes after later ones (re-read after a drop)",
     )
-    fabric_emitted: float | None = Field(
-        default=None, description="Event time of the last FabricSignal emitted for the node (pipeline.sharedparts)"
+    fabric_emitted: dict[str, float] = Field(
+        default_factory=dict,
+        description="Event time of the last FabricSignal emitted for the node, per fault class (pipeline.sharedparts)",
     )
 
     def to_bytes(self) -> bytes:
@@ -376,7 +377,7 @@ class Aggregator:
                 self.settings.debounce_window_s,
             )
             if signal is not None:
-                state.fabric_emitted = event_ts
+                state.fabric_emitted[signal.fault_class] = event_ts
                 signals.append(signal)
         if event.kind is FaultKind.HEALTH_CHECK:
             outputs += self._health_check(state, event, now)

@@ -26,6 +26,7 @@ Event time (the signal's log time) drives the window, so ``xidflow replay`` deci
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from datetime import UTC, datetime
 
 from pydantic import BaseModel, Field
@@ -87,15 +88,17 @@ def blamed_on_part(kind: FaultKind, code: int | None, signature: str, catalog: C
 
 
 def fabric_signal(
-    node: str, last_emitted: float | None, event: FaultEvent, signature: str, catalog: Catalog, every_s: float
+    node: str, last_emitted: Mapping[str, float], event: FaultEvent, signature: str, catalog: Catalog, every_s: float
 ) -> FabricSignal | None:
-    """The signal to emit for this event, or None (not fabric-class, or one was emitted less than
-    ``every_s`` of event time before). The caller keeps ``signal.ts`` as the node's ``last_emitted``."""
+    """The signal to emit for this event, or None (not fabric-class, or one of its class was emitted less
+    than ``every_s`` of event time before). The caller keeps ``signal.ts`` in ``last_emitted[fault_class]``:
+    per class, so a node's own Xid 79 in the middle of an NCCL storm is still told."""
     cls = fault_class(event, catalog)
     if cls is None:
         return None
     ts = event.ts.timestamp()
-    if last_emitted is not None and ts - last_emitted < every_s:
+    last = last_emitted.get(cls)
+    if last is not None and ts - last < every_s:
         return None
     return FabricSignal(
         signal_id=stable_id(node, "fabric", event.id),

@@ -78,10 +78,15 @@ def test_a_storm_on_one_node_is_one_signal_per_debounce_window_and_changes_no_in
     assert outputs == []  # sympathetic errors alone still open nothing
     assert [s.ts for s in signals] == [T, T + timedelta(seconds=60)]
     assert {s.fault_class for s in signals} == {"nccl_transport"}
+    # The node's own GPU falls off the bus in the middle of the storm: a class of its own, told at once.
+    xid79 = kernel_event("n1", "NVRM: Xid (PCI:0000:4e:00): 79, pid=1, GPU has fallen off the bus.",
+                         T + timedelta(seconds=70))
+    state, out = agg.step(state, xid79, now=300.0, signals=signals)
+    assert [i.code for i in out] == [79] and signals[-1].fault_class == "gpu_lost"
     # Without the list (tests, tools that want incidents only) nothing changes.
     again = agg.new_state("n1")
     again, out = agg.step(again, pod_event("n1", T), now=0.0)
-    assert out == [] and again.fabric_emitted is None
+    assert out == [] and again.fabric_emitted == {}
 
 
 def test_xid79_is_still_the_nodes_own_incident_and_also_a_signal() -> None:
