@@ -150,6 +150,10 @@ class SharedParts:
         self, kube: Kube, writer: NodeWriter, auditor: Auditor, settings: ActuatorSettings, policies: PolicyStore
     ) -> None:
         self.kube, self.writer, self.auditor, self.settings, self.policies = kube, writer, auditor, settings, policies
+        # One applier per part in this process: signals of many nodes of one part arrive together, and each
+        # would otherwise apply (and audit) the same revision. Across replicas the ConfigMap's record of what
+        # was applied keeps the duplicates to the few that race; each is idempotent.
+        self._locks: dict[str, asyncio.Lock] = {}
 
     async def handle(self, signal: FabricSignal) -> None:
         """One signal, retried while the API server is unreachable (every step is idempotent)."""
@@ -180,7 +184,8 @@ class SharedParts:
         )
         by_key = {part_key(r.label, v): r for r, v in matches}
         for key in pending:
-            await self._apply(key, by_key[key])
+            async with self._locks.setdefault(key, asyncio.Lock()):
+                await self._apply(key, by_key[key])
 
     async def _apply(self, key: str, rule: SharedPartRule) -> None:
         s = self.settings
