@@ -26,7 +26,7 @@ from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.fetch_watchdog import GuardedConsumer
-from schemas.records import DeadLetter, DeadLetterCode, FaultEvent, NodeIncident, NodeRecovered
+from schemas.records import DeadLetter, DeadLetterCode, FabricSignal, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
     from pipeline.app import XidflowApp
@@ -83,6 +83,7 @@ async def _apply_batch(
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
     incidents_topic = xapp.incidents.get_topic_name()
+    signals_topic = xapp.topics.name("fabric_signals")  # not incidents: the shared-part correlation's input
     for event in events:
         key = event.message.key
         if not key:
@@ -97,7 +98,7 @@ async def _apply_batch(
             state = aggregator.new_state(key.decode("utf-8", "replace"))
         else:
             state = NodeState.from_bytes(stored)
-        outputs = []
+        outputs: list[NodeIncident | NodeRecovered | FabricSignal] = []
         for event in node_events:
             msg = event.message
             try:
@@ -105,7 +106,11 @@ async def _apply_batch(
                     state, out = aggregator.tick(state, now)
                 else:
                     fault = FaultEvent.from_bytes(msg.value)
-                    state, out = aggregator.step(state, fault, now, position=(msg.partition, msg.offset))
+                    signals: list[FabricSignal] = []
+                    state, out = aggregator.step(
+                        state, fault, now, position=(msg.partition, msg.offset), signals=signals
+                    )
+                    out = [*out, *signals]
             except Exception as exc:  # noqa: BLE001 - the worker never dies on input
                 reason = f"invalid fault event at {msg.topic}[{msg.partition}]@{msg.offset}: {str(exc).splitlines()[0]}"
                 deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
@@ -116,7 +121,8 @@ async def _apply_batch(
             # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
             # its "attachments") waits for the broker's acknowledgement of each record before it
             # returns, one round trip per incident; here they are all awaited together below.
-            deliveries.append(await _send(xapp, incidents_topic, key, record.to_bytes()))
+            topic = signals_topic if isinstance(record, FabricSignal) else incidents_topic
+            deliveries.append(await _send(xapp, topic, key, record.to_bytes()))
             _observe(record, now)
     # The state is written only after the broker has the incidents (and dead letters): a crash in
     # between replays the events and sends the same incidents again (same ids), never loses one
@@ -135,7 +141,9 @@ async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -
     return await xapp.app.producer.send(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
-def _observe(record: NodeIncident | NodeRecovered, now: float) -> None:
+def _observe(record: NodeIncident | NodeRecovered | FabricSignal, now: float) -> None:
+    if isinstance(record, FabricSignal):
+        return  # not an incident: the actuator's shared-part correlation counts them
     if isinstance(record, NodeRecovered):
         metrics.RECOVERIES.labels(record.reason).inc()
         return

@@ -33,8 +33,10 @@ from pydantic import BaseModel, Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline.catalog import Catalog
+from pipeline.sharedparts import fabric_signal
 from schemas.records import (
     Action,
+    FabricSignal,
     FaultEvent,
     FaultKind,
     NodeIncident,
@@ -132,6 +134,12 @@ class AggregationSettings(BaseSettings):
     )
     max_signatures: int = Field(default=16, ge=1, le=1000,
     description="Default 16. Distinct signatures kept per incident.")
+    fabric_signals: bool = Field(
+        default=True,
+        description="Default true. Fabric-class events (NCCL transport, NVLink, SXid, fallen off the bus) also "
+        "emit a FabricSignal (at most one per node per debounce window) for the actuator's shared-part "
+        "correlation (pipeline.sharedparts); the node's own incidents are unchanged.",
+    )
     recent_ids: int = Field(
         default=64, ge=1, le=100_000,
         description="Default 64. Recent event ids remembered per node to drop redelivered events."
@@ -212,6 +220,10 @@ class NodeState(BaseModel):
         default=None,
         description="Highest offset of an applied event no longer in ``recent_ids``: an event above it that "
         "is not among them was never applied, even if it comes after later ones (re-read after a drop)",
+    )
+    fabric_emitted: dict[str, float] = Field(
+        default_factory=dict,
+        description="Event time of the last FabricSignal emitted for the node, per fault class (pipeline.sharedparts)",
     )
 
     def to_bytes(self) -> bytes:
@@ -338,11 +350,14 @@ class Aggregator:
         event: FaultEvent,
         now: float,
         position: tuple[int, int] | None = None,
+        signals: list[FabricSignal] | None = None,
     ) -> tuple[NodeState, list[Output]]:
         """Apply one fault event at wall time ``now`` (epoch s). Mutates and returns ``state``.
 
         ``position`` is the event's (partition, offset) on the fault-event topic: an event at or before
         the last applied position of the same partition is a redelivery and changes nothing.
+        ``signals``, when given (the worker's agent, replay), receives the event's ``FabricSignal`` for the
+        shared-part correlation (``pipeline.sharedparts``); they are not incidents, so they are kept apart.
         """
         if event.id in state.recent_ids:
             return state, []
@@ -356,6 +371,14 @@ class Aggregator:
         outputs: list[Output] = []
         if event.boot_id:
             outputs += self._observe_boot(state, event.boot_id, now)
+        if signals is not None and self.settings.fabric_signals:
+            signal = fabric_signal(
+                state.node, state.fabric_emitted, event, event_signature(event), self.catalog,
+                self.settings.debounce_window_s,
+            )
+            if signal is not None:
+                state.fabric_emitted[signal.fault_class] = event_ts
+                signals.append(signal)
         if event.kind is FaultKind.HEALTH_CHECK:
             outputs += self._health_check(state, event, now)
             return state, outputs

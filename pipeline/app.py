@@ -56,6 +56,7 @@ def worker_topics(app_id: str, topics: TopicNames) -> list[str]:
         ticks_topic_name(app_id),
         *topics.raw_inputs,
         topics.name("incidents"),
+        topics.name("fabric_signals"),
         topics.name("deadletter"),
     ]
 

@@ -6,7 +6,7 @@ One principal per component, each with the least it needs:
 - ``probe`` writes health-check results;
 - ``worker`` reads the raw topics, writes fault events, incidents and dead letters, and owns its
   internal topics (``<app id>-*``: ticks, table changelog, Faust's assignor topic) and groups;
-- ``actuator`` reads incidents and rescue requests, writes the audit trail and its dead letters;
+- ``actuator`` reads incidents, fabric signals and rescue requests, writes the audit trail and its dead letters;
 - ``api`` (the decision API) is the only principal that writes ``gpu.remediation.requests``;
 - ``reader`` (dashboards, downstream consumers) reads the output topics and writes nothing.
 
@@ -68,13 +68,13 @@ def principals(topics: TopicNames | None = None, app_id: str = "xidflow",
         Principal("worker", "worker", "Parse + aggregation worker (Faust)", tuple(
             _topics(t.raw_inputs, *ro)
             + _topics([n("fault_events")], "Read", "Write", "Describe", "Create")
-            + _topics([n("incidents"), n("deadletter")], "Write", "Describe", "Create")
+            + _topics([n("incidents"), n("fabric_signals"), n("deadletter")], "Write", "Describe", "Create")
             # Faust's own topics: ticks, the node-state changelog, the assignor topic.
             + _topics([f"{app_id}-"], "Read", "Write", "Describe", "Create", "DescribeConfigs", pattern="prefix")
             + _group(app_id) + _group(f"{app_id}-parse")
         )),
         Principal("actuator", "actuator", "Actuator: act on incidents and rescue requests, write the audit", tuple(
-            _topics([n("incidents"), n("remediation_requests")], *ro)
+            _topics([n("incidents"), n("fabric_signals"), n("remediation_requests")], *ro)
             + _topics([n("remediation_audit"), n("deadletter")], *rw)
             + _group(actuator_group)
         )),

@@ -11,6 +11,9 @@ attempt caps and the breaker window behave as they would have:
 3. ``plan_incident`` (policy selection, the ``quarantine`` macro, opt-out, attempt cap, escalation)
    -> steps; ``decide_admissions`` (the circuit breaker) before the first step that takes a node out
    of scheduling; ``plan_recovery_for`` on a recovery.
+4. the aggregation's fabric signals -> ``pipeline.sharedparts.observe`` per topology label value the
+   policy names (``sharedParts``), with the cluster's node labels: the shared parts that would have
+   been blamed instead of their nodes.
 
 The actuator's effects are simulated on an in-memory Node per node (its ledger annotation, cordon and
 taints): node-object actions (``Kind.NODE``) apply their own pure ``change``; every other action is
@@ -46,7 +49,8 @@ from pipeline.aggregation import AggregationSettings, Aggregator, NodeState
 from pipeline.catalog import Catalog
 from pipeline.parse_stage import ParseCore, ParseSettings
 from pipeline.settings import TopicNames
-from schemas.records import NodeIncident, NodeRecovered
+from pipeline.sharedparts import PartState, observe, part_key
+from schemas.records import FabricSignal, NodeIncident, NodeRecovered
 
 DEFAULT_TICK_INTERVAL_S = 10.0
 """The worker's default ``XIDFLOW_WORKER_TICK_INTERVAL_S``."""
@@ -209,6 +213,8 @@ class Simulation:
     fleet_source: str = ""
     first_ts: float | None = None
     last_ts: float | None = None
+    parts: dict[str, PartState] = field(default_factory=dict)
+    """Shared-part correlation by ``label=value`` (``pipeline.sharedparts``)."""
 
 
 # -- the simulated fleet -------------------------------------------------------------------------------------
@@ -329,6 +335,18 @@ class _Actuator:
         ledger.mark_done(flow, step.key, now)
         self._note(node)
 
+    def fabric(self, signal: FabricSignal, now: float) -> None:
+        """A fabric signal, as the actuator's shared-part correlation takes it (the node's labels, the policy)."""
+        labels = self.node(signal.node).view.labels
+        for rule in self.config.policies.shared_parts:
+            value = labels.get(rule.label)
+            if not value:
+                continue
+            key = part_key(rule.label, str(value))
+            part = self.sim.parts.setdefault(key, PartState(label=rule.label, value=str(value)))
+            observe(part, signal, part=rule.part, min_nodes=rule.min_nodes, window_s=rule.window, rule=rule.part,
+                    now=datetime.fromtimestamp(now, UTC))
+
     def recovered(self, recovered: NodeRecovered, now: float) -> None:
         node = self.nodes.get(recovered.node)
         if node is None:
@@ -376,8 +394,11 @@ def simulate(records: Iterable[RawLog], config: ReplayConfig, window: Window) ->
             for event in events:
                 sim.events += 1
                 state = states.get(event.node) or aggregator.new_state(event.node)
-                states[event.node], outputs = aggregator.step(state, event, at)
+                signals: list[FabricSignal] = []
+                states[event.node], outputs = aggregator.step(state, event, at, signals=signals)
                 route(outputs, at)
+                for signal in signals:
+                    actuator.fabric(signal, at)
 
         def route(outputs: Iterable[NodeIncident | NodeRecovered], at: float) -> None:
             for out in outputs:
@@ -498,6 +519,19 @@ def _rules_by_node(sim: Simulation) -> dict[str, list[str]]:
     return {k: sorted(v) for k, v in out.items()}
 
 
+def part_rows(sim: Simulation) -> list[dict[str, Any]]:
+    """Shared parts the policy would have blamed (one incident each) instead of quarantining their nodes."""
+    rows = []
+    for key, part in sorted(sim.parts.items()):
+        inc = part.incident
+        if inc is None:
+            continue
+        rows.append({"part": key, "name": inc.part, "nodes": list(inc.nodes), "faults": list(inc.fault_classes),
+                     "opened": inc.opened_at.isoformat(timespec="seconds").replace("+00:00", "Z"),
+                     "first_seen": iso(inc.first_seen.timestamp()), "incident": inc.incident_id})
+    return rows
+
+
 def trip_rows(sim: Simulation, policy: str) -> list[dict[str, Any]]:
     return [
         {"policy": policy, "at": iso(t.at), "tripped_by": t.tripped_by, "nodes_refused": len(t.refused),
@@ -536,6 +570,7 @@ def report(
         "nodes": node_rows(candidate),
         "actions": action_rows(candidate),
         "diff": diff_rows(candidate, baseline),
+        "shared_parts": part_rows(candidate),
         "breaker_trips": trip_rows(candidate, "candidate") + trip_rows(baseline, "baseline"),
         "skipped": candidate.skipped,
         "assumptions": [

@@ -29,6 +29,10 @@ class TopicNames(BaseSettings):
     deadletter: str = Field(default="gpu.logs.deadletter", description="DeadLetter records: input nobody understood")
     fault_events: str = Field(default="gpu.fault.events", description="FaultEvent records, keyed by node")
     incidents: str = Field(default="gpu.node.incidents", description="NodeIncident and NodeRecovered records")
+    fabric_signals: str = Field(
+        default="gpu.fabric.signals",
+        description="FabricSignal records (fabric-class faults per node) for the actuator's shared-part correlation",
+    )
     remediation_audit: str = Field(default="gpu.remediation.audit", description="RemediationRecord audit trail")
     remediation_requests: str = Field(
         default="gpu.remediation.requests", description="RescueActionRequest records from the decision API")

@@ -236,6 +236,52 @@ class NodeRecovered(Record):
     detail: str = ""
 
 
+class FabricSignal(Record):
+    """A node reported a fabric-class fault (NCCL transport, NVLink, SXid, fallen off the bus).
+
+    Emitted by the aggregation on ``gpu.fabric.signals``, keyed by node, at most once per node per
+    ``debounce_window_s`` of event time while the faults go on: the input of the shared-part
+    correlation (``pipeline.sharedparts``), which groups nodes by the topology labels the policy
+    names. It says nothing about the node alone; the node's own incidents are separate records.
+    """
+
+    type: Literal["fabric_signal"] = "fabric_signal"
+    signal_id: str = Field(description="Deterministic: from the node and the first event id of the burst")
+    node: str
+    kind: FaultKind
+    code: int | None = None
+    signature: str = Field(description="Signature of the event that started the burst")
+    fault_class: str = Field(description="nccl_transport, nvlink, sxid or gpu_lost")
+    ts: datetime = Field(description="Log time of the event that started the burst")
+    event_ids: list[str] = Field(default_factory=list)
+
+
+class SharedPartIncident(Record):
+    """Fabric-class faults from at least ``min_nodes`` nodes sharing a topology label value within
+    ``window_s``: one incident about the part (switch, tray, rack), not one per node.
+
+    The actuator opens it (``pipeline.actuator.sharedparts``) and applies the policy's shared-part rule;
+    it travels in the audit record of each of its effects (``RemediationRecord.shared_part``).
+    ``revision`` is bumped when more nodes join.
+    """
+
+    type: Literal["shared_part"] = "shared_part"
+    incident_id: str = Field(description="Deterministic: from the label, the value and the opening signal")
+    label: str = Field(description="Topology label key, e.g. topology.kubernetes.io/rack")
+    value: str = Field(description="The shared value of that label")
+    part: str = Field(description="Short name of the label in the policy (the taint key's suffix)")
+    nodes: list[str] = Field(description="Nodes that reported fabric faults within the window, sorted")
+    fault_classes: list[str] = Field(default_factory=list)
+    signatures: list[str] = Field(default_factory=list)
+    first_seen: datetime
+    last_seen: datetime
+    opened_at: datetime = Field(default_factory=utcnow)
+    revision: int = 0
+    min_nodes: int
+    window_s: float
+    rule: str = Field(default="", description="Name of the policy's shared-part rule")
+
+
 RescueActionName = Literal["cordon", "drain", "reboot", "enableWarmStandby", "unCordon"]
 """Actions a third party may request; the actuator's action registry checks it offers each of them."""
 
@@ -282,12 +328,15 @@ def _record_type(value: Any) -> str | None:
 ActuatorInput = Annotated[
     Annotated[NodeIncident, Tag("incident")]
     | Annotated[NodeRecovered, Tag("recovered")]
-    | Annotated[RescueActionRequest, Tag("rescue_request")],
+    | Annotated[RescueActionRequest, Tag("rescue_request")]
+    | Annotated[FabricSignal, Tag("fabric_signal")],
     Discriminator(_record_type),
 ]
-"""Everything the actuator consumes: incidents and recoveries (incidents topic), rescue requests."""
+"""Everything the actuator consumes: incidents and recoveries (incidents topic), fabric signals, rescue requests."""
 
-ACTUATOR_INPUT: TypeAdapter[NodeIncident | NodeRecovered | RescueActionRequest] = TypeAdapter(ActuatorInput)
+ACTUATOR_INPUT: TypeAdapter[NodeIncident | NodeRecovered | RescueActionRequest | FabricSignal] = TypeAdapter(
+    ActuatorInput
+)
 
 
 class HealthCheckResult(Record):
@@ -324,6 +373,9 @@ class RemediationRecord(Record):
     details: dict[str, Any] = Field(default_factory=dict)
     workload: WorkloadSummary | None = Field(
         default=None, description="notifyWorkload: the pods on the node, their owners, which are on the faulty GPU"
+    )
+    shared_part: SharedPartIncident | None = Field(
+        default=None, description="Shared-part rule: the part blamed (label, value, nodes) instead of the node"
     )
 
 
@@ -406,6 +458,8 @@ ALL_RECORDS: tuple[type[Record], ...] = (
     HealthCheckResult,
     RemediationRecord,
     DeadLetter,
+    FabricSignal,
+    SharedPartIncident,
 )
 
 

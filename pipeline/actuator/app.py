@@ -20,9 +20,10 @@ from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.reconciler import Reconciler
 from pipeline.actuator.settings import ActuatorSettings
+from pipeline.actuator.sharedparts import SharedParts
 from pipeline.lag import LagMonitor
 from pipeline.settings import KafkaSettings, TopicNames
-from schemas.records import Outcome
+from schemas.records import FabricSignal, Outcome
 
 log = logging.getLogger("xidflow.actuator")
 
@@ -104,15 +105,17 @@ class Actuator:
         )
         self.engine = Engine(self.kube, self.auditor, s, self.policies, self.breaker, self.drains)
         self.engine.on_request_done = self._release_plan
+        self.shared_parts = SharedParts(self.kube, self.engine.writer, self.auditor, s, self.policies)
         self.consumer = ActuatorConsumer(
             self.kafka.bootstrap_servers,
             s.group_id,
             self.topics.name("incidents"),
             self.topics.name("remediation_requests"),
             self.topics.name("deadletter"),
-            self.engine.handle,
+            self.handle,
             s.max_in_flight,
             s.commit_interval_seconds,
+            fabric_topic=self.topics.name("fabric_signals"),
         )
         self.consumer.refuse = lambda r, why: self.auditor.emit(  # issue 12: audit refused (unsigned) requests
             signing.refusal(r.node_name, r.request_id, r.requested_by, why, s.worker_id))
@@ -124,6 +127,13 @@ class Actuator:
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)
         self.gauges = FleetGauges(lambda: self.reconciler.nodes, self.breaker)
+
+    async def handle(self, record: Any, on_durable: Any = None) -> None:
+        """One consumed record: fabric signals to the shared-part correlation, everything else to the engine."""
+        if isinstance(record, FabricSignal):
+            await self.shared_parts.handle(record)
+            return
+        await self.engine.handle(record, on_durable)
 
     def webhook_names(self) -> list[str]:
         """The configured webhooks' names (label values of the notification metrics)."""

@@ -87,7 +87,8 @@ class Auditor:
         if self._producer is not None:
             await self._producer.stop()
 
-    async def emit(self, record: RemediationRecord) -> None:
+    async def emit(self, record: RemediationRecord, tell: bool = True) -> None:
+        """Publish durably; ``tell=False`` keeps it from the notifier (a record a person was already told of)."""
         assert self._producer is not None, "Auditor.start() first"
         await self._producer.send_and_wait(self.topic, record.to_bytes(), key=record.node.encode())
         metrics.REMEDIATIONS.labels(remediation_action(record.action), record.outcome.value).inc()
@@ -99,7 +100,8 @@ class Auditor:
             record.outcome.value,
             record.reason,
         )
-        self.tell(record)
+        if tell:
+            self.tell(record)
 
     def tell(self, record: RemediationRecord | NodeIncident) -> None:
         if self.notifier is None:

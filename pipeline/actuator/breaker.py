@@ -19,7 +19,7 @@ import orjson
 
 from pipeline import metrics
 from pipeline.actuator.kube import AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
-from pipeline.actuator.ownership import CORDON, Ledger, taint_effect_key
+from pipeline.actuator.ownership import CORDON, Ledger, is_shared_part_effect, taint_effect_key
 
 T = TypeVar("T")
 STATE_KEY = "state"
@@ -81,14 +81,15 @@ class Admission:
 def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
     """Whether xidflow's own cordon or taint is on this Node now (its ledger owns it and it is in place).
 
-    A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node.
+    A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node, nor a
+    shared-part taint (the part behind the node is blamed, not the node: ``pipeline.sharedparts``).
     """
     meta, spec = node.get("metadata") or {}, node.get("spec") or {}
     ledger = Ledger.from_annotations(meta.get("annotations"))
     if spec.get("unschedulable") and ledger.owners(CORDON):
         return True
     present = {taint_effect_key(str(t.get("key")), str(t.get("effect"))) for t in spec.get("taints") or []}
-    return any(ledger.owners(effect) for effect in present)
+    return any(ledger.owners(effect) for effect in present if not is_shared_part_effect(effect))
 
 
 def admitted_within(state: Mapping[str, Any], window: float, now: float) -> dict[str, float]:

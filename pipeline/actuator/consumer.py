@@ -27,9 +27,17 @@ from pipeline.actuator import signing
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.group_membership import leave_on_close
 from pipeline.settings import ConsumerGroupSettings
-from schemas.records import ACTUATOR_INPUT, DeadLetter, DeadLetterCode, NodeIncident, NodeRecovered, RescueActionRequest
+from schemas.records import (
+    ACTUATOR_INPUT,
+    DeadLetter,
+    DeadLetterCode,
+    FabricSignal,
+    NodeIncident,
+    NodeRecovered,
+    RescueActionRequest,
+)
 
-ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest
+ActuatorRecord = NodeIncident | NodeRecovered | RescueActionRequest | FabricSignal
 Handler = Callable[[ActuatorRecord, Callable[[], None]], Awaitable[None]]
 
 log = logging.getLogger("xidflow.actuator.consumer")
@@ -76,7 +84,11 @@ class OffsetTracker:
             self._committed.pop(tp, None)
 
 
-_TOPIC_TYPES = {"incidents": ("incident", "recovered"), "requests": ("rescue_request",)}
+_TOPIC_TYPES = {
+    "incidents": ("incident", "recovered"),
+    "requests": ("rescue_request",),
+    "fabric": ("fabric_signal",),
+}
 
 
 class UndecodableRecord(ValueError):
@@ -130,8 +142,11 @@ class ActuatorConsumer:
         max_in_flight: int = 5000,
         commit_interval: float = 0.5,
         group: ConsumerGroupSettings | None = None,
+        fabric_topic: str | None = None,
     ) -> None:
         self.topics = {incidents_topic: "incidents", requests_topic: "requests"}
+        if fabric_topic:  # FabricSignal records for the shared-part correlation (pipeline.actuator.sharedparts)
+            self.topics[fabric_topic] = "fabric"
         self.deadletter_topic = deadletter_topic
         self._dead_letters = DeadLetterReporter(metrics.ACTUATOR_DEADLETTERS)
         self.handle = handle

@@ -41,6 +41,14 @@ STANDBY_FOR_ANNOTATION = "xidflow.dev/standby-for"
 
 CORDON = "cordon"
 
+SHARED_PART_TAINT_PREFIX = "xidflow.dev/shared-"
+"""Taint keys of the shared-part rule (``pipeline.actuator.sharedparts``): the part is blamed, not the node,
+so the circuit breaker does not count a node for carrying one."""
+
+
+def is_shared_part_effect(effect: str) -> bool:
+    return effect.startswith(f"taint:{SHARED_PART_TAINT_PREFIX}")
+
 
 def taint_effect_key(key: str, effect: str) -> str:
     # Kubernetes identifies a taint by key and effect; the value may change between incidents.

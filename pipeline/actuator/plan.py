@@ -14,10 +14,12 @@ from pipeline.actuator import actions
 from pipeline.actuator.actions import Kind
 from pipeline.actuator.actions.taint_device import EFFECT_PREFIX as DEVICE_RULE_EFFECT_PREFIX
 from pipeline.actuator.nodeview import NodeView
-from pipeline.actuator.ownership import CORDON, request_flow_key
+from pipeline.actuator.ownership import CORDON, Ledger, request_flow_key
 from pipeline.actuator.policy import ActionSpec, PolicySet, Rule
 from pipeline.actuator.problems import Problem, classify_incident
 from pipeline.actuator.settings import ActuatorSettings
+from pipeline.catalog import Catalog
+from pipeline.sharedparts import blamed_on_part
 from schemas.records import Action, NodeIncident, NodeRecovered, RescueActionRequest
 
 __all__ = [
@@ -134,6 +136,13 @@ def plan_incident(
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
     if not node.unschedulable and incident.incident_id in ledger.owners(CORDON):
         return Plan(**base, skip_reason="cancelled: manual-uncordon")
+    part = open_part(ledger)
+    if part and incident.incident_id not in ledger.flows and blamed_on_part(
+        incident.kind, incident.code, incident.signature, Catalog.configured()
+    ):
+        # The part behind the node is blamed already (pipeline.actuator.sharedparts): its rule applies, not
+        # the node's quarantine. Only a new flow: one the node's rule already started goes on.
+        return Plan(**base, skip_reason=f"blamed on shared part {part}")
 
     specs = expand_actions(rule, incident)
     escalated = incident.action == Action.CONTACT_SUPPORT and any(s.name in ESCALATION_DROPS for s in specs)
@@ -160,6 +169,14 @@ def plan_incident(
         new_attempt=is_new_flow and disruptive and not over_cap,
         details=details,
     )
+
+
+def open_part(ledger: Ledger) -> str | None:
+    """``label=value`` of a shared part blamed on this node whose effects are still on it (owned), else None."""
+    for flow, rec in ledger.flows.items():
+        if rec.get("part") and ledger.effects_owned_by(flow):
+            return str(rec["part"])
+    return None
 
 
 def plan_request(request: RescueActionRequest, node: NodeView, settings: ActuatorSettings) -> Plan:

@@ -204,8 +204,66 @@ class Rule(_Model):
         return int(bool(self.codes)) + int(bool(self.kinds)) + int(self.node_selector is not None)
 
 
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+SHARED_PART_NAME_MAX = 56
+"""The taint key is ``xidflow.dev/shared-<name>`` and a taint key's name is at most 63 characters."""
+
+
+def label_key_error(key: str) -> str | None:
+    """Why ``key`` is not a Kubernetes label key (None: it is): an optional DNS subdomain and '/', a name."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return f"{key!r}: the prefix before '/' must be a DNS subdomain"
+    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
+        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.', optionally prefixed)"
+    return None
+
+
+def default_part_name(label: str) -> str:
+    """``topology.kubernetes.io/rack`` -> ``rack``: the label's name, lower case, as a taint key suffix."""
+    name = re.sub(r"[^a-z0-9-]+", "-", label.rpartition("/")[2].lower()).strip("-")
+    return (name or "part")[:SHARED_PART_NAME_MAX].rstrip("-") or "part"
+
+
+class SharedPartRule(_Model):
+    """Blame a shared part: fabric-class faults from ``minNodes`` nodes sharing a value of ``label`` within
+    ``window`` seconds are one incident about the part (``pipeline.sharedparts``). What happens then: a
+    taint ``xidflow.dev/shared-<name>=<value>`` on each of those nodes (``taintEffect``, ``None`` for no
+    taint), the node condition ``XidflowSharedPart`` naming the part (``condition``), one Warning Event and
+    one audit record (which goes to the notification webhooks); never a cordon, drain or reboot, and the
+    circuit breaker does not count those nodes as quarantined."""
+
+    label: str = Field(min_length=1, max_length=317, description="Topology label key the nodes share")
+    name: str = Field(default="", max_length=SHARED_PART_NAME_MAX, description="Short name; default from the label")
+    min_nodes: int = Field(default=3, ge=2, le=100_000, alias="minNodes")
+    window: float = Field(default=300.0, gt=0, le=86_400, description="Seconds (event time)")
+    taint_effect: TaintEffect | Literal["None"] = Field(default="NoSchedule", alias="taintEffect")
+    condition: bool = True
+
+    @field_validator("label")
+    @classmethod
+    def _label(cls, value: str) -> str:
+        problem = label_key_error(value)
+        if problem:
+            raise ValueError(problem)
+        return value
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if value and not _DNS_LABEL.match(value):
+            raise ValueError(f"{value!r} must be lower-case letters, digits and '-' (a taint key suffix)")
+        return value
+
+    @property
+    def part(self) -> str:
+        return self.name or default_part_name(self.label)
+
+
 class RescuePolicySpec(_Model):
     rules: tuple[Rule, ...] = Field(min_length=1)
+    shared_parts: tuple[SharedPartRule, ...] = Field(default=(), alias="sharedParts", max_length=64)
 
 
 class WarmStandbySpec(_Model):
@@ -229,6 +287,8 @@ class PolicySet(_Model):
 
     rules: tuple[Rule, ...] = ()
     standby: tuple[WarmStandbyPolicy, ...] = ()
+    shared_parts: tuple[SharedPartRule, ...] = ()
+    """Shared-part rules of every RescuePolicy, by label (one rule per label fleet-wide)."""
 
     def select(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> Rule:
         """The rule that wins for this incident on this node: highest priority, then most specific.
@@ -275,6 +335,14 @@ def _raise_for(prefix: str, exc: ValidationError) -> None:
 
 def parse_document(doc: Mapping[str, Any]) -> tuple[list[Rule], list[WarmStandbyPolicy]]:
     """Validate one RescuePolicy or WarmStandbyPolicy object (YAML document or CRD instance)."""
+    rules, standby, _ = parse_document_parts(doc)
+    return rules, standby
+
+
+def parse_document_parts(
+    doc: Mapping[str, Any],
+) -> tuple[list[Rule], list[WarmStandbyPolicy], list[SharedPartRule]]:
+    """``parse_document`` with the RescuePolicy's shared-part rules."""
     if not isinstance(doc, Mapping):
         raise PolicyError("document: expected a mapping")
     kind = doc.get("kind")
@@ -293,10 +361,11 @@ def parse_document(doc: Mapping[str, Any]) -> tuple[list[Rule], list[WarmStandby
         except ValidationError as exc:
             _raise_for(f"{kind}/{name} spec", exc)
         rules = [r if r.name else r.model_copy(update={"name": f"{name}[{i}]"}) for i, r in enumerate(parsed.rules)]
-        return rules, []
+        parts = [p.model_copy(update={"name": p.part}) for p in parsed.shared_parts]
+        return rules, [], parts
     if kind == STANDBY_KIND:
         try:
-            return [], [WarmStandbyPolicy(name=name, spec=WarmStandbySpec.model_validate(spec))]
+            return [], [WarmStandbyPolicy(name=name, spec=WarmStandbySpec.model_validate(spec))], []
         except ValidationError as exc:
             _raise_for(f"{kind}/{name} spec", exc)
     raise PolicyError(f"kind: expected {RESCUE_KIND} or {STANDBY_KIND}, got {kind!r}")
@@ -305,18 +374,28 @@ def parse_document(doc: Mapping[str, Any]) -> tuple[list[Rule], list[WarmStandby
 def build_policy_set(docs: Iterable[Mapping[str, Any]]) -> PolicySet:
     rules: list[Rule] = []
     standby: list[WarmStandbyPolicy] = []
+    parts: dict[str, SharedPartRule] = {}
     seen: set[str] = set()
     for doc in docs:
-        r, s = parse_document(doc)
+        r, s, p = parse_document_parts(doc)
         for rule in r:
             if rule.name in seen:
                 raise PolicyError(f"rules: duplicate rule name {rule.name!r}")
             seen.add(rule.name)
+        for part in p:
+            # One rule per label and per taint key: two would open two incidents about one part.
+            if part.label in parts:
+                raise PolicyError(f"sharedParts: label {part.label!r} is named twice")
+            if any(other.part == part.part for other in parts.values()):
+                raise PolicyError(f"sharedParts: name {part.part!r} is used twice (it names the taint key)")
+            parts[part.label] = part
         rules += r
         standby += s
     rules.sort(key=lambda r: (-r.priority, -r.specificity, r.name))
     standby.sort(key=lambda p: p.name)
-    return PolicySet(rules=tuple(rules), standby=tuple(standby))
+    return PolicySet(
+        rules=tuple(rules), standby=tuple(standby), shared_parts=tuple(sorted(parts.values(), key=lambda p: p.label))
+    )
 
 
 def load_yaml_text(text: str) -> PolicySet:

@@ -48,6 +48,9 @@ class ActuatorSettings(BaseSettings):
     """ConfigMap holding the circuit-breaker state. Default ``xidflow-breaker``."""
     drains_configmap: str = "xidflow-drains"
     """ConfigMap holding the cluster-wide drain slots. Default ``xidflow-drains``."""
+    shared_parts_configmap: str = "xidflow-shared-parts"
+    """ConfigMap holding the shared-part correlation (one entry per topology label value). Default
+    ``xidflow-shared-parts``."""
     breaker_max_share: float = Field(default=0.5, gt=0, le=1)
     """Largest share of GPU nodes quarantined within the window before the breaker trips. Default 0.5."""
     breaker_window_seconds: float = Field(default=300, gt=0)

@@ -199,6 +199,15 @@ TRIP_COLUMNS = [
 ]
 
 
+PART_COLUMNS = [
+    Column("shared-part", lambda r: r["part"]),
+    Column("nodes", lambda r: str(len(r["nodes"]))),
+    Column("faults", lambda r: joined(r["faults"])),
+    Column("opened", lambda r: str(r["opened"])),
+    Column("node-names", lambda r: joined(r["nodes"]), wide_only=True),
+]
+
+
 def print_report(rep: Mapping[str, Any], output: str) -> None:
     """JSON/YAML: the report object. Table: a header of facts, then one table per section."""
     if output in ("json", "yaml"):
@@ -217,6 +226,8 @@ def print_report(rep: Mapping[str, Any], output: str) -> None:
          "no node would have been touched"),
         ("Actions", rep["actions"], ACTION_COLUMNS, "no action"),
         ("Diff against the baseline", rep["diff"], DIFF_COLUMNS, "no difference: both policies act the same"),
+        ("Shared parts blamed (sharedParts), not their nodes", rep.get("shared_parts") or [], PART_COLUMNS,
+         "no shared part"),
         ("Breaker trips", rep["breaker_trips"], TRIP_COLUMNS, "the breaker would not have tripped"),
     )
     for title, rows, columns, empty in sections:

@@ -172,7 +172,12 @@ def _message_parts(condition: Mapping[str, Any]) -> list[str]:
 
 
 def _fault_of(condition: Mapping[str, Any]) -> str:
-    """``xid 79``, ``sxid 24007``; a fallen-off-the-bus line reads as the Xid it counts as (``xid 79``)."""
+    """``xid 79``, ``sxid 24007``; a fallen-off-the-bus line reads as the Xid it counts as (``xid 79``); the
+    shared-part condition as the part (``part example.com/ib-switch=leaf-7``)."""
+    from pipeline.actuator.sharedparts import CONDITION_TYPE, part_of_message
+
+    if condition.get("type") == CONDITION_TYPE:
+        return f"part {part_of_message(str(condition.get('message') or ''))}"
     parts = _message_parts(condition)
     if not parts:
         return str(condition.get("reason") or condition.get("type"))
@@ -229,6 +234,9 @@ def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = N
                 "applied": sorted(effect for effect, owners in ledger.owned.items() if flow in owners),
                 "cancelled": rec.get("cancelled"),
             })
+        # Shared parts blamed for this node's faults (pipeline.actuator.sharedparts): their flows name the part.
+        shared = sorted({str((ledger.flows.get(f) or {}).get("part")) for f in flows
+                         if (ledger.flows.get(f) or {}).get("part")})
         ages = [i["age_seconds"] for i in incidents if i["age_seconds"] is not None]
         if not ages:
             ages = [now - t for t in (_epoch(f["since"]) for f in faults) if t is not None]
@@ -238,6 +246,7 @@ def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = N
             "schedulable": not view.unschedulable,
             "status": ("Ready" if view.ready else "NotReady") + (",SchedulingDisabled" if view.unschedulable else ""),
             "faults": faults,
+            "shared_parts": shared,
             "incident_age_seconds": max(ages) if ages else None,
             "incidents": incidents,
             "applied": {effect: sorted(owners) for effect, owners in sorted(ledger.owned.items())},
@@ -258,6 +267,7 @@ def _short_effect(effect: str) -> str:
 def _why(row: Mapping[str, Any]) -> str:
     """Why xidflow applied what it did: the action the catalog recommends for the fault, else the incident."""
     actions = sorted({f["action"] for f in row["faults"] if f["action"]})
+    actions += [f"shared part {p}" for p in row.get("shared_parts") or ()]
     if actions:
         return joined(actions)
     return joined([f"incident {i['id']}" for i in row["incidents"]])
@@ -297,11 +307,45 @@ def status(kubeconfig: str | None, context: str | None, namespace: str | None, s
         nodes = await kube.list_nodes(settings.gpu_node_selector)
         breaker = await read_json_configmap(kube, settings.namespace, settings.breaker_configmap)
         breaker.setdefault("window_seconds", settings.breaker_window_seconds)
+        parts[:] = part_rows(await read_json_configmap(kube, settings.namespace, settings.shared_parts_configmap))
         return node_rows(nodes, breaker)
 
+    parts: list[dict[str, Any]] = []
     rows = _run(kube, main)
-    emit(rows, STATUS_COLUMNS, "json" if as_json else output,
-         empty=f"No GPU nodes match the selector {settings.gpu_node_selector!r}.")
+    output = "json" if as_json else output
+    emit(rows, STATUS_COLUMNS, output, empty=f"No GPU nodes match the selector {settings.gpu_node_selector!r}.")
+    if parts and output in ("table", "wide"):
+        # The parts blamed instead of their nodes, after the node table (JSON rows carry ``shared_parts``).
+        click.echo("")
+        emit(parts, PART_COLUMNS, output)
+
+
+def part_rows(state: Mapping[str, Any], now: float | None = None) -> list[dict[str, Any]]:
+    """One row per shared part with an open incident (the ``xidflow-shared-parts`` ConfigMap). Pure."""
+    from pipeline.actuator.sharedparts import parts_of
+
+    now = time.time() if now is None else now
+    rows = []
+    for part in parts_of(state):
+        inc = part.incident
+        if inc is None:
+            continue
+        rows.append({
+            "part": inc.part, "label": inc.label, "value": inc.value, "nodes": inc.nodes,
+            "faults": inc.fault_classes, "incident": inc.incident_id, "revision": inc.revision,
+            "age_seconds": round(now - inc.opened_at.timestamp(), 1), "tainted": sorted(part.applied),
+        })
+    return rows
+
+
+PART_COLUMNS = [
+    Column("shared-part", lambda r: f"{r['label']}={r['value']}"),
+    Column("nodes", lambda r: str(len(r["nodes"]))),
+    Column("faults", lambda r: joined(r["faults"])),
+    Column("age", lambda r: age(r["age_seconds"])),
+    Column("incident", lambda r: r["incident"]),
+    Column("node-names", lambda r: joined(r["nodes"]), wide_only=True),
+]
 
 
 # -- xidflow reset ---------------------------------------------------------------------------------------
@@ -340,6 +384,7 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
     from pipeline.actuator.app import Actuator
     from pipeline.actuator.plan import NodeView
     from pipeline.actuator.policy import PolicySet
+    from pipeline.actuator.sharedparts import forget_reset_node
     from schemas.records import NodeRecovered
 
     act = Actuator(settings, kubeconfig=path, policies=PolicySet())
@@ -361,7 +406,10 @@ def reset(node_names: tuple[str, ...], all_nodes: bool, kubeconfig: str | None, 
                             incident_id=flow, node=view.name, reason="manual", detail=f"xidflow reset by {who}"
                         )
                     )
-                    done.append(f"{view.name}: {flow}")
+                    part = (view.ledger.flows.get(flow) or {}).get("part")
+                    if part:  # the node leaves the shared part's incident; the last one closes it
+                        await forget_reset_node(act.kube, settings, str(part), view.name)
+                    done.append(f"{view.name}: {flow}" + (f" (shared part {part})" if part else ""))
         finally:
             await act.auditor.stop()
         return done

@@ -189,7 +189,7 @@ def actuator_must(home: str, force: list[str]) -> list[tuple[str, str, dict[str,
         ("get", "resourceclaims", {"group": "resource.k8s.io", "ns": "default", "name": "c"}),
         ("list", "resourceslices", {"group": "resource.k8s.io"}),
     ]
-    for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-rescue-plans"):
+    for configmap in ("xidflow-breaker", "xidflow-drains", "xidflow-shared-parts", "xidflow-rescue-plans"):
         must += [(verb, "configmaps", {"ns": home, "name": configmap}) for verb in ("get", "update")]
     must += [("delete", "pods", {"ns": ns, "name": "p"}) for ns in force]
     # taintDevice: the node's DRA ResourceSlices, xidflow's DeviceTaintRules

@@ -48,8 +48,9 @@ def test_least_privilege_matrix() -> None:
     assert writes("xidflow-shipper") == {T.name("logs_kernel"), T.name("logs_pods")}
     assert writes("xidflow-probe") == {T.name("health_checks")}
     assert reads("xidflow-worker") == set(T.raw_inputs) | {T.name("fault_events"), "xidflow-"}
-    assert writes("xidflow-worker") == {T.name("fault_events"), incidents, T.name("deadletter"), "xidflow-"}
-    assert reads("xidflow-actuator") == {incidents, requests}
+    signals = T.name("fabric_signals")  # the shared-part correlation's input: worker writes, actuator reads
+    assert writes("xidflow-worker") == {T.name("fault_events"), incidents, signals, T.name("deadletter"), "xidflow-"}
+    assert reads("xidflow-actuator") == {incidents, signals, requests}
     assert writes("xidflow-actuator") == {T.name("remediation_audit"), T.name("deadletter")}
     assert writes("xidflow-reader") == set()
     # Nobody but the admin may alter ACLs or the cluster.

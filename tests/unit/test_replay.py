@@ -276,3 +276,26 @@ def test_invalid_catalog_overrides_are_a_sentence(policy_file, tmp_path) -> None
     assert f"the catalog overrides {bad} are invalid: xid 13: action" in result.output
     missing = _invoke(["--policy", str(policy_file), "--since", "7d", "--catalog-overrides", str(tmp_path / "no")])
     assert missing.exit_code == 1 and "cannot read the catalog overrides" in missing.output
+
+
+NCCL = ("{node}:2211:2390 [5] transport/net_ib.cc:2211 NCCL WARN NET/IB : Got completion from peer 10.1.4.9<53520> "
+        "with status=12 opcode=0 len=0 vendor err 129 (Recv)")
+
+
+def test_replay_shows_the_shared_part_the_policy_would_have_blamed() -> None:
+    """Pod NCCL transport errors from four nodes behind one switch (labels from the cluster): one part, no node
+    touched; the node behind another switch counts for nothing."""
+    policy = load_yaml_text(CANDIDATE + "  sharedParts:\n    - {label: example.com/ib-switch, minNodes: 3}\n")
+    log = Log()
+    labels = {f"n{i}": {"example.com/ib-switch": "leaf-7"} for i in range(4)}
+    labels["m0"] = {"example.com/ib-switch": "leaf-8"}
+    for i, node in enumerate(labels):
+        for k in range(5):
+            at = T0 - 3600 + i + k * 0.1
+            value = orjson.dumps({"log": NCCL.format(node=node), "time": at,
+                                  "kubernetes": {"host": node, "pod_name": "trainer", "namespace_name": "ml"}})
+            log.records.append(core.RawLog("gpu.logs.pods", 0, len(log.records), node.encode(), value, int(at * 1000)))
+    sim = run(log.records, policy, fleet_labels=labels)
+    [part] = core.part_rows(sim)
+    assert part["part"] == "example.com/ib-switch=leaf-7" and part["nodes"] == ["n0", "n1", "n2", "n3"]
+    assert part["faults"] == ["nccl_transport"] and core.node_rows(sim) == []

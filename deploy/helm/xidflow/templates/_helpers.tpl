@@ -83,6 +83,8 @@ prometheus.io/path: /metrics
   value: {{ $t.faultEvents | quote }}
 - name: XIDFLOW_TOPIC_INCIDENTS
   value: {{ $t.incidents | quote }}
+- name: XIDFLOW_TOPIC_FABRIC_SIGNALS
+  value: {{ $t.fabricSignals | quote }}
 - name: XIDFLOW_TOPIC_REMEDIATION_AUDIT
   value: {{ $t.remediationAudit | quote }}
 - name: XIDFLOW_TOPIC_REMEDIATION_REQUESTS
