@@ -123,7 +123,7 @@ class Actuator:
         self._given_policies = policies is not None
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)
-        self.gauges = FleetGauges(lambda: self.reconciler.nodes, self.breaker)
+        self.gauges = FleetGauges(self.reconciler.with_work, self.breaker, fleet=self.reconciler.fleet_snapshot)
 
     def webhook_names(self) -> list[str]:
         """The configured webhooks' names (label values of the notification metrics)."""
