@@ -126,7 +126,7 @@ class Actuator:
         self._given_policies = policies is not None
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)
-        self.gauges = FleetGauges(lambda: self.reconciler.nodes, self.breaker)
+        self.gauges = FleetGauges(self.reconciler.with_work, self.breaker, fleet=self.reconciler.fleet_snapshot)
 
     async def handle(self, record: Any, on_durable: Any = None) -> None:
         """One consumed record: fabric signals to the shared-part correlation, everything else to the engine."""

@@ -20,12 +20,20 @@ from pipeline.actuator import conditions
 from pipeline.actuator.effects import now_rfc3339
 from pipeline.actuator.kube import Conflict, Kube, NotFound
 from pipeline.actuator.nodeview import NodeView
-from pipeline.actuator.problems import HEALTHY, ProblemClass
+from pipeline.actuator.problems import HEALTHY, OWN_CONDITION_TYPES, ProblemClass
 from pipeline.actuator.settings import ActuatorSettings
 
 log = logging.getLogger("xidflow.actuator.baseline")
 
 _ATTEMPTS = 10
+
+
+def lacks(view: NodeView) -> bool:
+    """Whether the node lacks one of xidflow's own condition types. Pure.
+
+    ``missing``'s cheap question, asked of every node at each watch event: a set of the node's types
+    instead of a scan of its conditions per type and the healthy conditions built to be thrown away."""
+    return not OWN_CONDITION_TYPES <= {c.get("type") for c in view.conditions}
 
 
 def missing(view: NodeView, now: str) -> list[dict[str, Any]]:
@@ -59,11 +67,13 @@ class BaselineConditions:
         self.written = 0
         """Nodes patched so far (for tests and logs)."""
 
+    def needed(self, view: NodeView) -> bool:
+        """Whether ``consider`` would write this node (ownership aside). Pure; safe on any thread."""
+        return not self.settings.dry_run and not view.opted_out(self.settings.opt_out_label) and lacks(view)
+
     def consider(self, view: NodeView) -> None:
         """Schedule the patch when the node lacks one of the conditions; nothing to do is the common case."""
-        if self.settings.dry_run or view.opted_out(self.settings.opt_out_label):
-            return
-        if view.name in self._pending or not missing(view, ""):
+        if view.name in self._pending or not self.needed(view):
             return
         self._pending[view.name] = asyncio.create_task(self._ensure(view))
 

@@ -16,7 +16,11 @@ in one create call), where the same ``nodes`` nodes get the fatal line. Each wor
   server, same fleet in it): ``*_raw_burst_ms`` is the time it needs for them;
 - the burst (``scale_burst_p99_ms``, and ``scale_base_burst_p99_ms`` on the base fleet);
 - after it, ``xidflow status`` and ``xidflow breaker status`` as subprocesses on the whole fleet
-  (wall time; the breaker's ``counted`` and ``fleet_size``).
+  (wall time; the breaker's ``counted`` and ``fleet_size``);
+- ``*_burst_rebalances``: the actuator group's membership warnings (aiokafka's "rebalancing", "member_id
+  was not recognized", "session expired") in the actuators' logs from the burst's start until its end:
+  0 says the burst ran on one stable assignment. Teardown's orderly leave, which the logs show about a
+  minute after the start, is not counted.
 
 The base fleet runs twice, before and after the large one (``scale_base_*``, ``scale_base2_*``): the
 machine is shared and its speed drifts. Ratios: ``scale_burst_vs_base_ratio`` (goal <= 1.10; over the
@@ -43,6 +47,10 @@ from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst import TAINT_KEY, World, run_scenario
 from pipeline.benchmarks.storm import raw_quarantine_rate
 
+REBALANCE_MARKS = (b"because it is rebalancing", b"member_id was not recognized", b"session expired",
+                   b"generation id is not")
+"""What aiokafka logs at WARNING or above, in one member at least, when the group rebalances or loses it."""
+
 RESYNC_S = 10.0
 """The actuators' resync period (``XIDFLOW_ACTUATOR_RESYNC_SECONDS``' default): the rest is sampled for two."""
 
@@ -66,6 +74,25 @@ async def _cli(world: World, *args: str) -> tuple[float, bytes]:
     if done.returncode != 0:
         raise RuntimeError(f"xidflow {' '.join(args)} failed: {done.stderr.decode(errors='replace')[-500:]}")
     return took, done.stdout
+
+
+def rebalance_marks(text: bytes) -> int:
+    """Lines of an actuator's log that say its group rebalanced or dropped it (``REBALANCE_MARKS``). Pure."""
+    return sum(any(m in line for m in REBALANCE_MARKS) for line in text.splitlines())
+
+
+def _log_sizes(world: World) -> dict[str, int]:
+    return {n: p.log.stat().st_size if p.log.exists() else 0
+            for n, p in world.procs.items() if n.startswith("actuator")}
+
+
+def _marks_since(world: World, sizes: dict[str, int]) -> int:
+    count = 0
+    for name, size in sizes.items():
+        with world.procs[name].log.open("rb") as f:
+            f.seek(size)
+            count += rebalance_marks(f.read())
+    return count
 
 
 def _per_replica(key: str, values: dict[str, float]) -> dict[str, Any]:
@@ -104,7 +131,7 @@ async def _at_rest(prefix: str, world: World) -> dict[str, Any]:
     return out
 
 
-async def _after(prefix: str, world: World) -> dict[str, Any]:
+async def _after(prefix: str, world: World, rebalances: int) -> dict[str, Any]:
     """``xidflow status`` and ``xidflow breaker status`` on the whole fleet, after the burst."""
     await delete_nodes(world.kube, world.others)
     world.others.clear()
@@ -116,6 +143,7 @@ async def _after(prefix: str, world: World) -> dict[str, Any]:
         f"{prefix}_breaker_status_s": round(breaker_s, 2),
         f"{prefix}_breaker_counted": breaker.get("counted"),
         f"{prefix}_breaker_fleet_size": breaker.get("fleet_size"),
+        f"{prefix}_burst_rebalances": rebalances,
     }
 
 
@@ -164,11 +192,15 @@ async def scale(
     kw = {"progress": progress} if progress else {}
 
     def hooks(prefix: str) -> dict[str, Any]:
+        logs: dict[str, int] = {}
+
         async def before(world: World) -> dict[str, Any]:
-            return await _at_rest(prefix, world)
+            out = await _at_rest(prefix, world)
+            logs.update(_log_sizes(world))  # the burst starts after this hook
+            return out
 
         async def after(world: World) -> dict[str, Any]:
-            return await _after(prefix, world)
+            return await _after(prefix, world, _marks_since(world, logs))
 
         return {"before": before, "after": after}
 

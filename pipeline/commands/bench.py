@@ -172,6 +172,7 @@ def bench(
         ("scale: xidflow breaker status", "scale_breaker_status_s", "{:.2f} s"),
         ("scale: breaker counted / fleet size", "scale_breaker_counted", "{}"),
         ("scale: burst p99 inside the fleet", "scale_burst_p99_ms", "{:,.0f} ms"),
+        ("scale: actuator group rebalances during that burst", "scale_burst_rebalances", "{}"),
         ("scale: the same burst on the base fleet, before", "scale_base_burst_p99_ms", "{:,.0f} ms"),
         ("scale: the same burst on the base fleet, after", "scale_base2_burst_p99_ms", "{:,.0f} ms"),
         ("scale: burst p99 fleet / base (goal <= 1.10)", "scale_burst_vs_base_ratio", "{:.2f}"),

@@ -82,6 +82,11 @@ async def test_every_owned_gpu_node_gets_xidflow_conditions_as_false_once(env: E
         assert have["GpuXid"]["reason"] == "NoGpuXid" and have["GpuFellOffBus"]["reason"] == "NoGpuFellOffBus"
         assert have["Ready"]["status"] == "True"  # the kubelet's conditions are left alone
     assert act.reconciler.baseline.written == len(nodes)  # one status patch per node
+
+    async def no_work() -> bool:  # the watch saw the conditions: no resync or rebalance looks at them again
+        return not act.reconciler.attention & {*nodes, opted}
+
+    await wait_for(no_work, "the nodes to leave the reconciler's attention")
     versions = {n: (await env.node(n))["metadata"]["resourceVersion"] for n in nodes}
     await asyncio.sleep(2)  # several resyncs and watch events later: nothing is written again
     assert {n: (await env.node(n))["metadata"]["resourceVersion"] for n in nodes} == versions

@@ -195,6 +195,9 @@ def test_fleet_figures_count_xidflow_quarantines_only_and_the_oldest_step_per_ac
     assert figures.quarantined == {"ours-cordon", "ours-taint"}
     assert figures.oldest["drain"].node == "d2" and figures.oldest["drain"].age_s == 350
     assert figures.open_steps == {"drain": 2}
+    # The reconciler counted the fleet already: only the nodes with open flows are walked, same figures.
+    counted = fleetmetrics.fleet_figures([view("d1", d1), view("d2", d2)], now=400, fleet=(6, figures.quarantined))
+    assert counted == figures
 
 
 def test_breaker_window_counts_quarantined_and_admitted_within_the_window_once() -> None:

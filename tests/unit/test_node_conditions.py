@@ -12,7 +12,7 @@ import yaml
 
 from pipeline.actuator import conditions
 from pipeline.actuator.actions.condition import restorations, target
-from pipeline.actuator.baseline_conditions import missing
+from pipeline.actuator.baseline_conditions import lacks, missing
 from pipeline.actuator.ownership import LEDGER_ANNOTATION, Ledger
 from pipeline.actuator.plan import NodeView, plan_incident, plan_recovery
 from pipeline.actuator.policy import ActionSpec, PolicyError, load_yaml_text
@@ -162,6 +162,8 @@ def test_baseline_adds_only_the_missing_own_conditions_as_false() -> None:
     assert ecc["reason"] == HEALTHY[ProblemClass.ECC][0]
     complete = have + added
     assert missing(view(complete), T1) == []
+    assert lacks(view(have)) and not lacks(view(complete))  # the cheap question agrees with the full one
+    assert not lacks(view([{"type": "Ready", "status": "True"}, *({"type": t} for t in OWN_CONDITION_TYPES)]))
 
 
 def test_fallen_off_bus_has_a_condition_named_for_it() -> None:

@@ -8,7 +8,7 @@ from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.testing import node_object
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.procstat import ProcSample
-from pipeline.benchmarks.scale import ratios
+from pipeline.benchmarks.scale import ratios, rebalance_marks
 
 STATUS = "Name:\tpython\nVmPeak:\t  900000 kB\nVmHWM:\t  412345 kB\nVmRSS:\t  398000 kB\nThreads:\t12\n"
 # comm with a space and a parenthesis; utime 250, stime 50 (fields 14, 15)
@@ -63,3 +63,17 @@ def test_ratios_say_how_costs_grow_per_node() -> None:
     assert r["scale_steady_s_growth_per_node"] == round(20.0 / round(10_004 / 504, 3), 3)
     assert r["scale_status_s_growth_per_node"] is None
     assert ratios({"scale_burst_p99_ms": 1.0})["scale_burst_vs_base_ratio"] is None
+
+
+def test_rebalance_marks_count_what_aiokafka_logs_when_the_group_moves() -> None:
+    log = (
+        b"2026-11-25 11:16:01,281 WARNING xidflow.signing: XIDFLOW_SIGNING_KEY_FILE is not set\n"
+        b"2026-11-25 11:16:02,852 WARNING aiokafka.consumer.group_coordinator: Heartbeat failed for group g"
+        b" because it is rebalancing\n"
+        b"2026-11-25 11:17:02,000 WARNING aiokafka.consumer.group_coordinator: Heartbeat failed: local member_id"
+        b" was not recognized; resetting and re-joining group\n"
+        b"2026-11-25 11:17:03,000 ERROR aiokafka.consumer.group_coordinator: Heartbeat session expired - marking"
+        b" coordinator dead\n"
+    )
+    assert rebalance_marks(log) == 3
+    assert rebalance_marks(b"") == 0
