@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import orjson
 
 from pipeline import metrics
-from pipeline.actuator.kube import AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.kube import API_PRIORITY, AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.ownership import CORDON, Ledger, taint_effect_key
 
 T = TypeVar("T")
@@ -192,6 +192,9 @@ class Breaker:
         return await fut
 
     async def _flush(self) -> None:
+        # Every quarantine of the batch waits for this read-modify-write: it goes ahead of the taints
+        # already queued (priority 0), or each batch of admissions waits behind the previous batch's taints.
+        API_PRIORITY.set(-1)
         while self._pending:
             batch, self._pending = self._pending, []
             nodes = list(dict.fromkeys(n for n, _ in batch))
