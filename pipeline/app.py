@@ -128,7 +128,11 @@ class WorkerSettings(BaseSettings):
         default=2000, ge=1, le=1_000_000, description="Default 2000. Fault events per aggregation batch."
     )
     aggregate_within_s: float = Field(
-        default=0.01, gt=0, le=60.0, description="Default 0.01. Longest wait to fill an aggregation batch."
+        default=0.01,
+        gt=0,
+        le=60.0,
+        description="Default 0.01. How long an idle aggregation waits for more fault events before it takes "
+        "a batch (events that arrive while it works on one form the next at once).",
     )
     fetch_max_wait_ms: int = Field(
         default=FETCH_MAX_WAIT_MS,
