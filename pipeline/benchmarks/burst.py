@@ -462,6 +462,7 @@ async def run_scenario(
         watch.start()
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
         topic = world.topics.name("logs_kernel")
+        cpu_before = cpu_seconds(world)
         if not pace_until_done:
             futures = []
             for i, node in enumerate(world.names):
@@ -487,6 +488,7 @@ async def run_scenario(
             progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
+        extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
@@ -509,6 +511,29 @@ async def run_scenario(
         await world.teardown()
 
 
+def cpu_seconds(world: World) -> dict[str, tuple[int, float]]:
+    """Each running process of the world (and the bench itself) -> (pid, CPU seconds used so far)."""
+    out = {"bench": (os.getpid(), sum(os.times()[:2]))}
+    for name, proc in world.procs.items():
+        if proc.alive() and proc.proc is not None:
+            with contextlib.suppress(OSError):
+                out[name] = (proc.proc.pid, procstat.read(proc.proc.pid).cpu_s)
+    return out
+
+
+def cpu_spent(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, float]]) -> dict[str, float]:
+    """CPU seconds each process used between two readings (a restarted one, another pid, is left out). Pure.
+
+    On this 2-core machine the pipeline's own processes share the cores with the API server they wait
+    for: what they use during a burst is time the API server does not get.
+    """
+    return {
+        name: round(cpu - before[name][1], 2)
+        for name, (pid, cpu) in after.items()
+        if name in before and before[name][0] == pid
+    }
+
+
 async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) -> dict[str, Any]:
     """The API server's own time for the scenario's N taints, measured in the same run.
 
@@ -527,8 +552,10 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
     names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
     await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
     kube = Kube.from_config(world.kubeconfig, concurrency)
+    cpu_before = cpu_seconds(world)
     try:
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
+        cpu = cpu_spent(cpu_before, cpu_seconds(world))
     finally:
         kube.close()
         with contextlib.suppress(Exception):
@@ -538,6 +565,7 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
         f"{prefix}_raw_ms": round(raw_ms, 1),
         f"{prefix}_raw_nodes_per_s": round(rate, 1),
         f"{prefix}_raw_concurrency": concurrency,
+        f"{prefix}_raw_cpu_s": cpu,
     }
     if p99_ms is not None:
         out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
