@@ -1,12 +1,16 @@
 """Aggregation agent: fault events (and ticks) -> per-node state in a Faust table -> incidents.
 
 Thin: the rules are ``pipeline.aggregation.Aggregator``. The agent takes events in batches
-(``take_events``), applies them node by node in offset order, sends the incidents, waits until the
+(``pipeline.stream_batches.take_batches``: what arrived while it worked on the previous one),
+applies them node by node in offset order, sends the incidents, waits until the
 broker has them, and only then writes each touched node's state to the table (one changelog record
-per node per batch, not one per event; ``NodeStateTable.write``), and waits until the changelog has
-them before the batch is acknowledged (Faust does not flush before it commits). Incidents, dead
-letters and states go straight to the producer and are acknowledged together: two broker round
-trips per batch, whatever its size. A batch the agent does not finish is handed
+per node per batch, not one per event; ``NodeStateTable.write``). The batch is acknowledged only
+once the changelog has its states (Faust does not flush before it commits), but the agent takes
+its next batch meanwhile (``GuardedConsumer.finishing``): one broker round trip per batch on the
+way from a fault event to its incident, whatever the batch's size, and at most one batch's states
+on their way at a time. Incidents, dead letters and states go straight to the producer and are
+acknowledged together. A batch the agent does not finish (or whose states the changelog did not
+take) is handed
 back to the consumer (``pipeline.fetch_watchdog.GuardedConsumer.unprocessed``): never committed
 past, read again. A crash therefore either replays events whose state was not written (the same incidents,
 same ids and revisions, are sent again: at-least-once) or events whose state was written (the
@@ -26,6 +30,7 @@ from pipeline import metrics
 from pipeline.aggregation import Aggregator, NodeState
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.fetch_watchdog import GuardedConsumer
+from pipeline.stream_batches import take_batches
 from schemas.records import DeadLetter, DeadLetterCode, FabricSignal, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
@@ -47,22 +52,28 @@ def register(xapp: XidflowApp) -> None:
 
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
-        async for events in stream.take_events(settings.aggregate_batch, within=settings.aggregate_within_s):
+        changelog: asyncio.Future[Any] | None = None  # the previous batch's, until the broker has it
+        async for events in take_batches(stream, settings.aggregate_batch, settings.aggregate_within_s):
             consumer = app.consumer
-            if isinstance(consumer, GuardedConsumer):
+            guarded = isinstance(consumer, GuardedConsumer)
+            if guarded:
                 # After an unfinished batch its partitions wait for their re-read: nothing after
                 # an unfinished record is applied before it.
                 admitted = {id(m) for m in consumer.admit([event.message for event in events])}
                 events = [event for event in events if id(event.message) in admitted]
+            messages = [event.message for event in events]
             try:
-                await _apply_batch(xapp, aggregator, table, ticks_name, events)
-                if isinstance(consumer, GuardedConsumer):
-                    consumer.finished([event.message for event in events])
+                changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog)
+                if guarded:
+                    # Acknowledged once the changelog has the states; the next batch need not wait.
+                    consumer.finishing(messages, changelog)
+                else:
+                    await changelog
             except BaseException:
-                # take_events acknowledges the batch even now (when its generator is closed): the
+                # take_batches acknowledges the batch even now (when its generator is closed): the
                 # consumer must neither commit past these records nor forget them.
-                if isinstance(consumer, GuardedConsumer):
-                    consumer.unprocessed([event.message for event in events])
+                if guarded:
+                    consumer.unprocessed(messages)
                 raise
 
     @app.timer(interval=settings.tick_interval_s)
@@ -77,9 +88,18 @@ def register(xapp: XidflowApp) -> None:
 
 
 async def _apply_batch(
-    xapp: XidflowApp, aggregator: Aggregator, table: Any, ticks_name: str, events: list[Any]
-) -> None:
-    """Apply one batch: incidents sent and acknowledged by the broker, then the node states written."""
+    xapp: XidflowApp,
+    aggregator: Aggregator,
+    table: Any,
+    ticks_name: str,
+    events: list[Any],
+    previous: asyncio.Future[Any] | None = None,
+) -> asyncio.Future[Any]:
+    """Apply one batch: incidents sent and acknowledged by the broker, then the node states written.
+
+    Returns the changelog's acknowledgement of the states. ``previous`` (the last batch's) is waited
+    for before the states are sent: at most one batch's states are on their way at a time.
+    """
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
     incidents_topic = xapp.incidents.get_topic_name()
@@ -127,10 +147,13 @@ async def _apply_batch(
     # The state is written only after the broker has the incidents (and dead letters): a crash in
     # between replays the events and sends the same incidents again (same ids), never loses one
     # behind a state that says it was sent. The batch is acknowledged (its offsets may be
-    # committed) only after the state is on the changelog too: a commit never outruns the state.
+    # committed) only after the state is on the changelog too (the caller's ``finishing``): a
+    # commit never outruns the state. The next batch does not wait for that acknowledgement.
     if deliveries:
         await asyncio.gather(*deliveries)
-    await table.write(new_states)
+    if previous is not None:
+        await asyncio.wait([previous])  # its failure is the consumer's to handle (``finishing``)
+    return await table.write(new_states)
 
 
 async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:

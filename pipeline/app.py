@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import faust
 import mode
@@ -69,29 +70,33 @@ class NodeStateTable(faust.Table):
     events the state was computed from (the node's partition of the fault-event topic).
     """
 
-    async def write(self, states: list[tuple[bytes, bytes, int]]) -> None:
-        """Write node states (key, value, changelog partition): on the changelog first, then in the store.
+    async def write(self, states: list[tuple[bytes, bytes, int]]) -> asyncio.Future[Any]:
+        """Write node states (key, value, changelog partition): sent to the changelog, taken by the store.
 
-        The records go straight to the producer and their acknowledgements are awaited together.
-        Faust's own way (``table[key] = value``) hands each one to Faust's producer buffer, which sends
-        them one loop turn apiece, and waiting for that buffer took a loop turn and a timer per record
-        (about 200-300 ms for 150 states in a burst); a changelog write that failed was not noticed
-        either (the producer's ``flush`` does not raise), while here it fails the batch, which is read
-        again. The store takes a state only once the changelog has it, so a batch read again
-        recomputes from the state before it. The changelog holds what Faust would write: the raw key
-        and value (the table's ``raw`` codecs), so recovery reads it as before.
+        Returns the changelog's acknowledgement of them all (a future): the caller acknowledges its
+        batch only once it is done, and reads the batch again if it failed; it need not wait for it
+        before its next batch. The records go straight to the producer. Faust's own way
+        (``table[key] = value``) hands each one to Faust's producer buffer, which sends them one loop
+        turn apiece, and waiting for that buffer took a loop turn and a timer per record (about
+        200-300 ms for 150 states in a burst); a changelog write that failed was not noticed either
+        (the producer's ``flush`` does not raise).
+
+        The store takes the states at once, so the next batch builds on them. A failed changelog write
+        leaves the store ahead of the changelog, never behind the incidents (the caller writes states
+        only after the broker has the batch's incidents): the batch read again is then a no-op by the
+        states' positions, and writes the same states to the changelog again. The changelog holds what
+        Faust would write: the raw key and value (the table's ``raw`` codecs), so recovery reads it as
+        before.
         """
-        if not states:
-            return
         producer = self.app.producer
         topic = self.changelog_topic.get_topic_name()
         deliveries = [
             await producer.send(topic, key, value, partition=partition, timestamp=None, headers=None)
             for key, value, partition in states
         ]
-        await asyncio.gather(*deliveries)
         for key, value, _ in states:
             self.data[key] = value
+        return asyncio.gather(*deliveries)
 
 
 class WorkerSettings(BaseSettings):
@@ -124,7 +129,11 @@ class WorkerSettings(BaseSettings):
         default=2000, ge=1, le=1_000_000, description="Default 2000. Fault events per aggregation batch."
     )
     aggregate_within_s: float = Field(
-        default=0.01, gt=0, le=60.0, description="Default 0.01. Longest wait to fill an aggregation batch."
+        default=0.01,
+        gt=0,
+        le=60.0,
+        description="Default 0.01. How long an idle aggregation waits for more fault events before it takes "
+        "a batch (events that arrive while it works on one form the next at once).",
     )
     fetch_max_wait_ms: int = Field(
         default=FETCH_MAX_WAIT_MS,

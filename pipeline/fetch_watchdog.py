@@ -12,7 +12,7 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
   them on a partition without a commit, are committed past, and a restart never reads them again.
 - A record whose delivery was cut by the flow suspension is counted as read (seen: the record at
   the committed offset dropped right after a restart, the ones after it processed).
-- Once ``take_events`` ends (the agent stopping), the stream acknowledges what it still pulls
+- Once ``take_events`` (or ``take_batches``) ends (the agent stopping), the stream acknowledges what it still pulls
   without the agent seeing it, and the final commit passes those records.
 - A seek does not recall the records Faust already took from aiokafka: the rest of that batch is
   still handed out after the seek. The first such record moves Faust's read offset ahead of the
@@ -231,6 +231,8 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self.redo: dict[Any, int] = {}  # source partition -> lowest offset an agent did not finish
         self.redone: dict[Any, int] = {}  # fenced partition -> watchdog checks left before seeking again
         self._finished: Counter[tuple[Any, int]] = Counter()  # (tp, offset) finished, until acknowledged
+        self._finishing: Counter[tuple[Any, int]] = Counter()  # (tp, offset) whose effects are on their way
+        self._held_acks: dict[tuple[Any, int], list[Any]] = {}  # their acknowledgements, until then
         self.seek_fence = SeekFence()
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
@@ -310,11 +312,45 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         """An agent made these messages' effects durable: their acknowledgement may count."""
         self._finished.update((m.tp, m.offset) for m in messages)  # a re-read twin counts apart
 
+    def finishing(self, messages: Iterable[Any], durable: asyncio.Future[Any]) -> None:
+        """These messages' effects are durable once ``durable`` is done: their acknowledgements wait for it.
+
+        The agent goes on to its next batch meanwhile. Done: they count as ``finished`` (an
+        acknowledgement that came in the meantime counts then). Failed or cancelled: they are
+        ``unprocessed``, read again.
+        """
+        messages = list(messages)
+        keys = [(m.tp, m.offset) for m in messages]
+        self._finishing.update(keys)
+
+        def settle(future: asyncio.Future[Any]) -> None:
+            self._finishing.subtract(keys)
+            held: list[Any] = []
+            for key in keys:
+                if self._finishing[key] <= 0:
+                    del self._finishing[key]
+                    held += self._held_acks.pop(key, [])
+            failed = future.cancelled() or future.exception() is not None
+            if failed:
+                log.error("aggregate: a batch's node states did not reach the changelog (%s); reading it again",
+                          "cancelled" if future.cancelled() else future.exception())
+                self.unprocessed(messages)
+                return
+            self.finished(messages)
+            for message in held:
+                self.ack(message)
+
+        durable.add_done_callback(settle)
+
     def ack(self, message: Any) -> bool:
         # Faust acknowledges source records it never handed to the agent's code in some paths (a
-        # stream iterated after take_events ended, at shutdown): only finished records count.
+        # stream iterated after take_batches ended, at shutdown): only finished records count.
         if message.tp.topic in self.source_topics and not message.acked:
             key = (message.tp, message.offset)
+            if self._finishing[key] > 0:  # its effects are on their way (``finishing``): counted then
+                self._held_acks.setdefault(key, []).append(message)
+                return False
+            self._finishing.pop(key, None)
             if self._finished[key] <= 0:
                 self._finished.pop(key, None)
                 self.unprocessed([message])
@@ -328,7 +364,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         """``messages`` were delivered but their effects are not durable: read them again.
 
         Each is marked acknowledged without counting as such, so no later ``ack`` (Faust's
-        ``take_events`` acknowledges a batch even when the agent failed on it) lets a commit pass
+        ``take_batches`` acknowledges a batch even when the agent failed on it) lets a commit pass
         it. Its partition is fenced at its offset: ``admit`` turns away the partition's later
         records until the re-read (from the committed offset, by the watchdog) reaches the fence,
         so nothing after it is applied before it.

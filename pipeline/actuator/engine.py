@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
-from pipeline.actuator.actions import StepResult, StopReason
+from pipeline.actuator.actions import Kind, StepResult, StopReason
 from pipeline.actuator.audit import Auditor, default_worker_id, make_record
 from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.effector import DryRunEffector, Effector, FlowContext, LiveEffector
 from pipeline.actuator.effects import NodeChange
-from pipeline.actuator.kube import API_PRIORITY, Forbidden, Invalid, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.nodestate import NodeWriter
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger, request_flow_key
@@ -111,32 +111,37 @@ class Engine:
         be committed then); a long wait inside the flow no longer holds back the partition.
         """
         delay = self.settings.retry_initial_seconds
-        API_PRIORITY.set(1)
+        self.kube.quarantining(False)
         node = record.node
-        while True:
-            try:
-                async with self._lock(node):
-                    if isinstance(record, NodeRecovered):
-                        return await self._recovered(record)
-                    return await self._start(record, on_durable)
-            except (KubeUnavailable, Forbidden, NotFound) as exc:
-                # Unreachable, 5xx, RBAC not (yet) granted, our namespace missing: an operator or time
-                # fixes these. Every effect is idempotent, so replaying the whole record later is safe.
-                log.warning("%s; retrying %s for %s in %.1fs", exc, record.type, node, delay)
-                await asyncio.sleep(delay * random.uniform(0.8, 1.2))
-                delay = min(delay * 2, self.settings.retry_max_seconds)
-            except Invalid as exc:
-                # The request itself is wrong (a bad Job template, a policy the API server refuses):
-                # retrying cannot help, so it is audited as failed and the record is done.
-                log.error("%s for %s refused by the API server: %s", record.type, node, exc)
-                await self._audit_now(node, _flow_of(record), "decide", Outcome.FAILED, str(exc))
-                return
+        try:
+            while True:
+                try:
+                    async with self._lock(node):
+                        if isinstance(record, NodeRecovered):
+                            return await self._recovered(record)
+                        return await self._start(record, on_durable)
+                except (KubeUnavailable, Forbidden, NotFound) as exc:
+                    # Unreachable, 5xx, RBAC not (yet) granted, our namespace missing: an operator or time
+                    # fixes these. Every effect is idempotent, so replaying the whole record later is safe.
+                    self.kube.quarantining(False)  # backing off: hold no other call up meanwhile
+                    log.warning("%s; retrying %s for %s in %.1fs", exc, record.type, node, delay)
+                    await asyncio.sleep(delay * random.uniform(0.8, 1.2))
+                    delay = min(delay * 2, self.settings.retry_max_seconds)
+                except Invalid as exc:
+                    # The request itself is wrong (a bad Job template, a policy the API server refuses):
+                    # retrying cannot help, so it is audited as failed and the record is done.
+                    self.kube.quarantining(False)
+                    log.error("%s for %s refused by the API server: %s", record.type, node, exc)
+                    await self._audit_now(node, _flow_of(record), "decide", Outcome.FAILED, str(exc))
+                    return
+        finally:
+            self.kube.quarantining(False)
 
     async def _start(self, record: NodeIncident | RescueActionRequest, on_durable: Callable[[], None] | None) -> None:
         flow = _flow_of(record)
         if isinstance(record, NodeIncident):
             # Until the node is out of scheduling, its API calls go ahead of other nodes' Events/conditions.
-            API_PRIORITY.set(0 if record.quarantine or record.action.quarantines else 1)
+            self.kube.quarantining(record.quarantine or record.action.quarantines)
             await self.policies.maybe_refresh()
         view = await self.writer.current(record.node)  # the watch's view: no read on the hot path
         if view is None:
@@ -266,6 +271,12 @@ class Engine:
             await asyncio.gather(*ctx.audits)
 
     async def _run_steps(self, ctx: FlowContext) -> FlowStatus:
+        try:
+            return await self._run_groups(ctx)
+        finally:
+            self.kube.quarantining(False)
+
+    async def _run_groups(self, ctx: FlowContext) -> FlowStatus:
         groups = group_steps(ctx.plan.steps)
         stop: StepResult | None = None
         for index, group in enumerate(groups):
@@ -274,9 +285,12 @@ class Engine:
                     self._audit(ctx, step.key, StepResult(Outcome.SKIPPED, f"flow stopped earlier: {stop.reason}"))
                 continue
             ctx.last_group = index == len(groups) - 1
+            # Its calls go first while the node is still to be taken out of scheduling; never during a
+            # long step (a drain would hold every other call of this process up for its whole length).
+            self.kube.quarantining(
+                group[0].action.kind != Kind.LONG and any(s.quarantining for g in groups[index:] for s in g)
+            )
             results = await self.effector.run_group(ctx, group)
-            if any(s.quarantining for s in group):
-                API_PRIORITY.set(1)
             for step in group:
                 result = results[step.key]
                 self._audit(ctx, step.key, result)
@@ -286,8 +300,10 @@ class Engine:
                 return FlowStatus(FlowEnd.HELD, stop.details.get("lease_until"))
             last = group[-1]
             if stop is None and last.spec.waittime and index < len(groups) - 1:
+                self.kube.quarantining(False)
                 if not await self._wait_after(ctx, last.key, last.spec.waittime):
                     stop = StepResult(Outcome.SKIPPED, "cancelled: manual-uncordon", stop=StopReason.CANCELLED)
+        self.kube.quarantining(False)
         await self.effector.finish(ctx, stop.stop.value if stop is not None and stop.stop else "done")
         return FlowStatus(FlowEnd.FINISHED)
 

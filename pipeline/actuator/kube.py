@@ -91,19 +91,51 @@ def _map_error(exc: ApiException) -> Exception:
 
 
 API_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("xidflow_api_priority", default=1)
-"""Priority of the API calls made in this context: 0 goes first. The engine sets 0 while it takes a node
-out of scheduling, so that in a storm every node is quarantined before Events and conditions are written."""
+"""Priority of the API calls made in this context: lower goes first. The engine sets 0 while it takes a node
+out of scheduling (``Kube.quarantining``), so that in a storm every node is quarantined before Events and
+conditions are written; the breaker's admissions, which every quarantine waits for, run at -1."""
+
+_QUARANTINING: contextvars.ContextVar[PriorityLimiter | None] = contextvars.ContextVar(
+    "xidflow_quarantining", default=None
+)
+"""The limiter that counts this task as quarantining (None: it does not)."""
+
+URGENT_HOLD_S = 5.0
+"""Longest wait of one lower-priority call (priority 1 and up: Events, conditions, resumed flows) while this
+process is taking nodes out of scheduling. In a burst the taints then land before any Event or condition,
+instead of sharing the API server with them; the bound keeps a quarantine that keeps failing (an API server
+that refuses it) from holding everything else up."""
 
 
 class PriorityLimiter:
-    """A semaphore whose waiters are served lowest priority number first, FIFO within a priority."""
+    """A semaphore whose waiters are served lowest priority number first, FIFO within a priority.
 
-    def __init__(self, limit: int) -> None:
+    While ``urgent`` flows are taking nodes out of scheduling, calls of priority 1 and up do not even
+    queue for a slot (up to ``hold_s`` each): a slot they held would be one a taint waits for, and the
+    API server's time they took would be the taints' too.
+    """
+
+    def __init__(self, limit: int, hold_s: float = URGENT_HOLD_S) -> None:
         self._free = limit
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._seq = itertools.count()
+        self.hold_s = hold_s
+        self.urgent = 0
+        self._calm = asyncio.Event()
+        self._calm.set()
+
+    def urgency(self, delta: int) -> None:
+        """``delta`` more (or fewer) flows are taking a node out of scheduling now."""
+        self.urgent = max(0, self.urgent + delta)
+        if self.urgent:
+            self._calm.clear()
+        else:
+            self._calm.set()
 
     async def acquire(self, priority: int) -> None:
+        if priority >= 1 and self.urgent:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._calm.wait(), self.hold_s)
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return
@@ -170,6 +202,22 @@ class Kube:
             config.load_incluster_config()
             api_client = client.ApiClient()
         return cls(api_client, concurrency)
+
+    def quarantining(self, on: bool) -> None:
+        """This task starts (True) or ends (False) taking a node out of scheduling.
+
+        Its calls then go first (``API_PRIORITY`` 0), and other calls of this process wait for it
+        (``PriorityLimiter``). Counted once per task whatever the calls: ending twice is harmless, and
+        a task must end it in a ``finally`` (a task cancelled while quarantining would hold others up).
+        """
+        counted = _QUARANTINING.get()
+        if on and counted is None:
+            self._limiter.urgency(1)
+            _QUARANTINING.set(self._limiter)
+        elif not on and counted is not None:
+            counted.urgency(-1)  # the limiter that counted it, even if the client was swapped since
+            _QUARANTINING.set(None)
+        API_PRIORITY.set(0 if on else 1)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -227,3 +227,22 @@ async def test_priority_limiter_serves_quarantine_calls_first() -> None:
     limiter.release()
     await asyncio.gather(*tasks)
     assert order == ["cordon", "event-1", "event-2"]
+
+
+async def test_other_calls_wait_while_nodes_are_taken_out_of_scheduling_but_not_for_ever() -> None:
+    import asyncio
+
+    from pipeline.actuator.kube import PriorityLimiter
+
+    limiter = PriorityLimiter(4, hold_s=30)
+    limiter.urgency(1)  # a flow is quarantining a node
+    event = asyncio.create_task(limiter.acquire(1))
+    await asyncio.sleep(0.01)
+    assert not event.done()  # a free slot, yet the Event waits: the taints go first
+    await asyncio.wait_for(limiter.acquire(0), 1)  # the quarantine's own calls are never held
+    limiter.urgency(-1)
+    await asyncio.wait_for(event, 1)
+
+    bounded = PriorityLimiter(4, hold_s=0.05)
+    bounded.urgency(1)  # a quarantine that never ends (an API server refusing it) holds others only briefly
+    await asyncio.wait_for(bounded.acquire(1), 1)

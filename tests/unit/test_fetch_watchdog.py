@@ -1,10 +1,12 @@
 """The fetch watchdog re-reads stalled partitions from the first record not known processed, and the
 commit guard never lets an offset pass a record the agent did not acknowledge."""
 
+import asyncio
 from collections import Counter
 
 from faust.types import TP
 
+from pipeline import fetch_watchdog
 from pipeline.app import create_app
 from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
 
@@ -133,6 +135,7 @@ class _Msg:
 def _guarded() -> GuardedConsumer:
     consumer = object.__new__(type("G", (GuardedConsumer,), {"source_topics": frozenset({"fault"})}))
     consumer.redo, consumer.redone, consumer._unacked_messages = {}, {}, set()
+    consumer._finished, consumer._finishing, consumer._held_acks = Counter(), Counter(), {}
     return consumer
 
 
@@ -159,11 +162,55 @@ def test_other_topics_are_not_fenced() -> None:
 
 def test_an_acknowledgement_counts_only_for_records_the_agent_finished() -> None:
     consumer = _guarded()
-    consumer._finished = Counter()
     p0 = TP("fault", 0)
     stray = _Msg(p0, 7)
     assert consumer.ack(stray) is False  # acknowledged by Faust without the agent finishing it
     assert stray.acked and consumer.redo == {p0: 7}
+
+
+def _count_faust_acks(monkeypatch) -> list[int]:  # noqa: ANN001
+    """Faust's own ``ack`` (what GuardedConsumer lets through) records the offsets it counts."""
+    counted: list[int] = []
+
+    def ack(self, message) -> bool:  # noqa: ANN001
+        if message.acked:
+            return False
+        message.acked = True
+        counted.append(message.offset)
+        return True
+
+    monkeypatch.setattr(fetch_watchdog.faust_aiokafka.Consumer, "ack", ack)
+    return counted
+
+
+async def test_a_batch_whose_states_are_on_their_way_is_acknowledged_once_they_are_durable(monkeypatch) -> None:
+    counted = _count_faust_acks(monkeypatch)
+    consumer = _guarded()
+    p0 = TP("fault", 0)
+    batch = [_Msg(p0, 3), _Msg(p0, 4)]
+    durable = asyncio.get_running_loop().create_future()
+    consumer.finishing(batch, durable)
+    assert consumer.ack(batch[0]) is False  # take_events acknowledges it while the changelog write is out
+    assert counted == [] and not batch[0].acked and consumer.redo == {}  # held, neither counted nor fenced
+    durable.set_result(None)
+    await asyncio.sleep(0)
+    assert counted == [3]  # counted once durable
+    assert consumer.ack(batch[1]) is True and counted == [3, 4]  # one acknowledged after that counts at once
+
+
+async def test_a_batch_whose_states_did_not_reach_the_changelog_is_read_again(monkeypatch) -> None:
+    counted = _count_faust_acks(monkeypatch)
+    consumer = _guarded()
+    p0 = TP("fault", 0)
+    batch = [_Msg(p0, 3), _Msg(p0, 4)]
+    durable = asyncio.get_running_loop().create_future()
+    consumer.finishing(batch, durable)
+    consumer.ack(batch[0])
+    durable.set_exception(RuntimeError("broker gone"))
+    await asyncio.sleep(0)
+    assert counted == [] and all(m.acked for m in batch)  # never committed past
+    assert consumer.redo == {p0: 3}  # fenced until the watchdog re-reads it
+    assert consumer.ack(batch[1]) is False and counted == []
 
 
 async def test_a_seek_mid_batch_drops_the_rest_of_the_batch_for_that_partition(monkeypatch) -> None:
