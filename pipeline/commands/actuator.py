@@ -132,7 +132,13 @@ ACTUATOR_MODULES = (
     # replacement child does not pay for them (pipeline.supervisor).
     "aiokafka",
     "kubernetes.client",
+    "kubernetes.client.api.core_v1_api",  # with its ~300 model modules: half a second of an idle core
+    "kubernetes.client.api.batch_v1_api",
+    "kubernetes.client.api.custom_objects_api",
+    "kubernetes.client.api.apiextensions_v1_api",
     "kubernetes.watch",
+    "pydantic.validate_call_decorator",
+    "pipeline.actuator.notify",
     "pipeline.actuator.engine",
     "pipeline.actuator.effector",
     "pipeline.actuator.consumer",
