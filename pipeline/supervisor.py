@@ -189,7 +189,6 @@ def _child(work: Callable[[], object], parent: int, watch_fd: int | None) -> Non
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         _die_with_parent(parent, watch_fd)
-        gc.unfreeze()
         result = work()
         code = result if isinstance(result, int) else 0
     except SystemExit as exc:
