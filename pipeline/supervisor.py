@@ -26,7 +26,7 @@ Rules that keep it correct:
 - **SIGTERM and SIGINT are forwarded** to the child (in its own process group, so a terminal's
   Ctrl-C reaches it once, through the supervisor): the orderly stop (commit, leave the group) is the
   child's, and the supervisor exits with the child's status and restarts nothing.
-- **Crash loops are bounded**: the first crash is replaced at once; one that follows a child that
+- **Crash loops are bounded**: the first crash (a death by signal) is replaced at once; one that follows a child that
   lived less than ``stable_after_s`` waits ``backoff_initial_s``, doubling up to ``backoff_max_s``;
   after ``give_up_after`` such crashes in a row the supervisor exits with the child's status, so
   the kubelet's CrashLoopBackOff and the pod's restart count show the loop. Each restart is logged
@@ -38,9 +38,13 @@ Rules that keep it correct:
   child and the new child binds them again (address reuse) within its first second; a probe that
   fails in that second is within every probe's failure threshold.
 
-A child that exits by itself with status 0 ends the supervisor with it (nothing crashed). Turn the
-supervisor off with ``--no-supervise`` or ``XIDFLOW_SUPERVISOR_ENABLED=false`` (one process, as
-before; e.g. under a debugger or on a platform without ``fork``).
+Only a child killed by a signal the supervisor did not forward (SIGKILL, SIGSEGV, the OOM killer) is
+replaced. A child that exits by itself, whatever its status, ends the supervisor with that status: it
+said why (a sentence at start such as an unreachable API server, a consumer that gave up), and the
+command keeps its contract (one sentence, a non-zero exit, the kubelet restarts the pod) instead of
+retrying a misconfiguration in a loop. Turn the supervisor off with ``--no-supervise`` or
+``XIDFLOW_SUPERVISOR_ENABLED=false`` (one process, as before; e.g. under a debugger or on a platform
+without ``fork``).
 
 Considered and not chosen: a pre-forked standby child that waits, connected, for the active one to
 die. Its extra gain is the child's own start-up (Kafka/Kubernetes connections, Faust services),
@@ -270,8 +274,8 @@ class Supervisor:
                 os.close(watch_w)
             lived = time.monotonic() - started
             self.child = None
-            if self.stopping is not None or status == 0:
-                return exit_code(status)
+            if self.stopping is not None or not os.WIFSIGNALED(status):
+                return exit_code(status)  # asked to stop, or the child exited and said why
             delay = self.crashes.next_delay(lived)
             if delay is None:
                 log.error("%s supervisor: child %s after %.1f s, crash %d in a row; giving up (exit %d)",

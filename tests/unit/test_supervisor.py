@@ -45,7 +45,7 @@ def test_parse_ppid_survives_a_name_with_parentheses() -> None:
 
 SCRIPT = textwrap.dedent(
     """
-    import logging, os, sys, time
+    import logging, os, signal, sys, time
     from pathlib import Path
     from pipeline.supervisor import supervise
     logging.basicConfig(level="INFO")
@@ -55,9 +55,11 @@ SCRIPT = textwrap.dedent(
         n = len(list(marks.iterdir()))
         (marks / str(os.getpid())).touch()
         if sys.argv[2] == "crash" and n < 2:
-            os._exit(3)  # the first two children crash; the third lives until stopped
+            os.kill(os.getpid(), signal.SIGKILL)  # the first two children crash; the third lives until stopped
         if sys.argv[2] == "always":
-            os._exit(4)
+            os.kill(os.getpid(), signal.SIGSEGV)
+        if sys.argv[2] == "exit":
+            os._exit(4)  # an exit the child chose (a sentence at start): not retried
         while True:
             time.sleep(0.05)
     sys.exit(supervise(work, "test"))
@@ -137,14 +139,24 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
 
 @linux
 def test_a_crash_loop_gives_up_with_the_childs_status(tmp_path: Path) -> None:
-    proc, _ = _start(tmp_path, "always", XIDFLOW_SUPERVISOR_GIVE_UP_AFTER="3", XIDFLOW_SUPERVISOR_BACKOFF_MAX_S="0.1")
+    proc, marks = _start(
+        tmp_path, "always", XIDFLOW_SUPERVISOR_GIVE_UP_AFTER="3", XIDFLOW_SUPERVISOR_BACKOFF_MAX_S="0.1"
+    )
     out = proc.communicate(timeout=60)[0].decode()
-    assert proc.returncode == 4, out
-    assert "crash 4 in a row; giving up (exit 4)" in out, out
+    assert proc.returncode == 128 + signal.SIGSEGV, out
+    assert "killed by SIGSEGV" in out and "crash 4 in a row; giving up (exit 139)" in out, out
+    assert len(list(marks.iterdir())) == 4
+
+
+@linux
+def test_a_child_that_exits_by_itself_is_not_replaced(tmp_path: Path) -> None:
+    proc, marks = _start(tmp_path, "exit")
+    assert proc.wait(60) == 4
+    assert len(list(marks.iterdir())) == 1
 
 
 @linux
 def test_disabled_runs_the_work_in_this_process(tmp_path: Path) -> None:
-    proc, marks = _start(tmp_path, "always", XIDFLOW_SUPERVISOR_ENABLED="false")
+    proc, marks = _start(tmp_path, "exit", XIDFLOW_SUPERVISOR_ENABLED="false")
     assert proc.wait(60) == 4
     assert [int(p.name) for p in marks.iterdir()] == [proc.pid]
