@@ -310,6 +310,14 @@ def preload(modules: Iterable[str]) -> None:
             log.debug("preload: %s not imported: %s", name, exc)
 
 
+def _forkable() -> bool:
+    """Whether a forked child's output goes where this process's goes: stdout and stderr are still the
+    interpreter's own streams. A caller that replaced them to capture the output in memory (click's test
+    runner, a program embedding the command) gets the work in its own process, not in a child whose
+    sentences would be written into a copy of that memory and lost."""
+    return hasattr(os, "fork") and sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
+
+
 def supervise(work: Callable[[], object], name: str, enabled: bool | None = None) -> int:
     """Run ``work`` supervised (or in this process when disabled); the process's exit status.
 
@@ -318,7 +326,7 @@ def supervise(work: Callable[[], object], name: str, enabled: bool | None = None
     settings = SupervisorSettings()
     if enabled is not None:
         settings = settings.model_copy(update={"enabled": enabled})
-    if not settings.enabled or not hasattr(os, "fork"):
+    if not settings.enabled or not _forkable():
         result = work()
         return result if isinstance(result, int) else 0
     from pipeline import metrics
