@@ -12,6 +12,8 @@ import asyncio
 import os
 import signal
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +24,7 @@ import pytest
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka_admin import ensure_topics
+from pipeline.localinfra.procs import free_port
 from pipeline.supervisor import child_pids
 from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
@@ -149,3 +152,51 @@ async def test_children_sigkilled_mid_burst_are_replaced_and_nothing_is_lost_or_
 
 def _log(path: Path) -> str:
     return path.read_text(errors="replace")
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+    except OSError as exc:
+        return 0, str(exc)
+
+
+def _serving(port: int, path: str, ok: Callable[[int, str], bool], within_s: float = 120) -> str:
+    deadline = time.monotonic() + within_s
+    last: tuple[int, str] = (0, "")
+    while time.monotonic() < deadline:
+        last = _get(port, path)
+        if ok(*last):
+            return last[1]
+        time.sleep(0.2)
+    raise AssertionError(f"{path} on {port} never answered as expected; last: {last}")
+
+
+def test_metrics_and_health_ports_are_served_again_by_the_replacement_child(
+    kafka_bootstrap: str, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    metrics_port, health_port = free_port(), free_port()
+    app_id = unique("supports")
+    worker = Worker(kafka_bootstrap, app_id, unique("t") + ".", tmp_path, extra_env={
+        "XIDFLOW_GROUP_INSTANCE_ID": "worker-0",
+        "XIDFLOW_METRICS_PORT": str(metrics_port),
+        "XIDFLOW_HEALTH_PORT": str(health_port),
+    }).start()
+    try:
+        assert worker.proc is not None
+        restarts = "xidflow_supervisor_restarts_total 0.0"
+        _serving(metrics_port, "/metrics", lambda code, body: code == 200 and restarts in body)
+        _serving(health_port, "/livez", lambda code, body: code == 200)
+        first = _child(worker.proc.pid)
+        os.kill(first, signal.SIGKILL)
+        # The ports are the child's: the replacement binds them again and counts itself.
+        restarted = "xidflow_supervisor_restarts_total 1.0"
+        _serving(metrics_port, "/metrics", lambda code, body: code == 200 and restarted in body)
+        _serving(metrics_port, "/healthz", lambda code, body: code == 200)
+        _serving(health_port, "/livez", lambda code, body: code == 200)
+        assert worker.alive() and child_pids(worker.proc.pid) not in ([], [first])
+    finally:
+        worker.stop()
