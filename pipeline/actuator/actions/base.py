@@ -60,10 +60,6 @@ class ActionSpecLike(Protocol):
     """What an action reads of its policy entry (``pipeline.actuator.policy.ActionSpec``)."""
 
     @property
-    def name(self) -> str: ...
-    @property
-    def waittime(self) -> float: ...
-    @property
     def timeout(self) -> float | None: ...
     # taint, taintDevice, quarantine
     @property
