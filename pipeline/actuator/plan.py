@@ -103,7 +103,8 @@ def expand_actions(rule: Rule, incident: NodeIncident) -> list[ActionSpec]:
     out: list[ActionSpec] = []
     for spec in rule.actions:
         expand = actions.get(spec.name).expand
-        out += expand(spec, incident) if expand else [spec]
+        # A macro names its actions as plain data (the actions package sits below this module): validate here.
+        out += [ActionSpec(name=name, **attrs) for name, attrs in expand(spec, incident)] if expand else [spec]
     return out
 
 

@@ -2,15 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, get_args
 
 from aiokafka.partitioner import DefaultPartitioner
 
 from pipeline.actuator import actions
 from pipeline.actuator.actions import Kind, StopReason
+from pipeline.actuator.actions.base import ActionSpecLike, PlanLike, PolicySetLike, PolicySource, StepLike
 from pipeline.actuator.ownership import LEDGER_ANNOTATION, Ledger
-from pipeline.actuator.plan import NodeView, plan_from_ledger, plan_incident, stored
-from pipeline.actuator.policy import ActionName, PolicySet, load_yaml_text
+from pipeline.actuator.plan import NodeView, Plan, Step, plan_from_ledger, plan_incident, stored
+from pipeline.actuator.policy import ActionName, ActionSpec, PolicySet, load_yaml_text
+from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.reconciler import needs_attention, partition_of
 from pipeline.actuator.settings import ActuatorSettings
 from schemas.records import RescueActionName
@@ -50,6 +53,20 @@ def test_every_action_is_one_registered_module_with_a_runner_for_its_kind() -> N
 def test_policy_and_requests_take_their_action_names_from_the_registry() -> None:
     assert get_args(ActionName) == actions.ACTION_NAMES
     assert actions.names(requestable=True) == set(get_args(RescueActionName))
+
+
+def _members(protocol: type) -> set[str]:
+    return {n for n, v in vars(protocol).items() if isinstance(v, property) or (callable(v) and not n.startswith("_"))}
+
+
+def test_what_actions_read_is_what_plan_policy_and_the_store_provide() -> None:
+    # The actions package declares Protocols instead of importing plan/policy/policystore (which sit above
+    # it): a renamed field there must fail here, since no type checker runs in CI.
+    assert _members(ActionSpecLike) <= set(ActionSpec.model_fields)
+    assert _members(StepLike) <= {f.name for f in dataclasses.fields(Step)}
+    assert _members(PlanLike) <= {f.name for f in dataclasses.fields(Plan)}
+    assert all(callable(getattr(PolicySet, n)) for n in _members(PolicySetLike))
+    assert _members(PolicySource) == {"current"} and isinstance(PolicyStore(None, SETTINGS).current, PolicySet)
 
 
 def test_an_open_flow_is_stored_and_replanned_the_same_way_after_a_policy_change() -> None:

@@ -2,14 +2,19 @@
 
 Pure declarations; nothing here talks to the cluster. Each action module builds one ``ActionDef``
 and the package registers it (``pipeline.actuator.actions.REGISTRY``).
+
+The actions are the layer below ``plan``, ``policy`` and ``policystore``, which derive their lists
+from the registry: so this package imports none of them. What a runner reads of a policy entry, a
+step, a plan and the policy store is declared here as Protocols, and a macro expands to plain data
+(``Expansion``) that ``plan`` turns into validated ``ActionSpec`` objects.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from schemas.records import Outcome
 
@@ -20,9 +25,6 @@ if TYPE_CHECKING:
     from pipeline.actuator.nodestate import NodeWriter
     from pipeline.actuator.nodeview import NodeView
     from pipeline.actuator.ownership import Ledger
-    from pipeline.actuator.plan import Plan, Step
-    from pipeline.actuator.policy import ActionSpec
-    from pipeline.actuator.policystore import PolicyStore
     from pipeline.actuator.problems import Problem
     from pipeline.actuator.settings import ActuatorSettings
     from schemas.records import NodeIncident
@@ -54,6 +56,90 @@ class StopReason(StrEnum):
     """Our lease was retaken while the step ran (we were presumed dead): the new holder drives the flow."""
 
 
+class ActionSpecLike(Protocol):
+    """What an action reads of its policy entry (``pipeline.actuator.policy.ActionSpec``)."""
+
+    @property
+    def timeout(self) -> float | None: ...
+    # taint, taintDevice, quarantine
+    @property
+    def key(self) -> str | None: ...
+    @property
+    def value(self) -> str | None: ...
+    @property
+    def effect(self) -> str | None: ...
+    @property
+    def max_tainted_devices(self) -> int | None: ...
+    @property
+    def per_gpu(self) -> bool: ...
+    # drain
+    @property
+    def grace_period_cap(self) -> int | None: ...
+    @property
+    def excluded_namespaces(self) -> tuple[str, ...]: ...
+    @property
+    def force_after(self) -> float | None: ...
+    @property
+    def force_namespaces(self) -> tuple[str, ...]: ...
+    @property
+    def checkpoint_grace(self) -> float | None: ...
+    # reboot, resetGpu
+    @property
+    def hook(self) -> str | None: ...
+    @property
+    def webhook_url(self) -> str | None: ...
+    @property
+    def job_template(self) -> dict[str, Any] | None: ...
+    @property
+    def uncordon_after(self) -> bool: ...
+    # condition
+    @property
+    def condition_type(self) -> str | None: ...
+    @property
+    def status(self) -> str | None: ...
+    @property
+    def reason(self) -> str | None: ...
+
+
+class StepLike(Protocol):
+    """What an action reads of the step it runs (``pipeline.actuator.plan.Step``)."""
+
+    @property
+    def key(self) -> str: ...
+    @property
+    def spec(self) -> ActionSpecLike: ...
+
+
+class PlanLike(Protocol):
+    """What an action reads of the flow it runs in (``pipeline.actuator.plan.Plan``)."""
+
+    @property
+    def flow_key(self) -> str: ...
+    @property
+    def node(self) -> str: ...
+    @property
+    def escalated(self) -> bool: ...
+    @property
+    def problem(self) -> Problem | None: ...
+
+
+class PolicySetLike(Protocol):
+    """What an action reads of the policies in force (``pipeline.actuator.policy.PolicySet``)."""
+
+    def standby_targets(self, node_labels: Mapping[str, str]) -> list[dict[str, str]]: ...
+
+
+class PolicySource(Protocol):
+    """Where the policies in force are read (``pipeline.actuator.policystore.PolicyStore``)."""
+
+    @property
+    def current(self) -> PolicySetLike: ...
+
+
+Expansion = list[tuple[str, dict[str, Any]]]
+"""What a macro stands for: (action name, ``ActionSpec`` attributes by field name), in order."""
+
+
 @dataclass
 class StepResult:
     outcome: Outcome
@@ -74,20 +160,20 @@ class StepContext:
     writer: NodeWriter
     settings: ActuatorSettings
     worker: str
-    plan: Plan
+    plan: PlanLike
     view: NodeView
     incident: NodeIncident | None
     drains: DrainSlots
-    policies: PolicyStore
+    policies: PolicySource
     breaker: Breaker | None = None
     """For a step that may take the node out of scheduling on its own (taintDevice's escalation)."""
 
 
-NodeChangeFn = Callable[["NodeView", "Ledger", "Step", "StepContext"], "NodeChange"]
-RunFn = Callable[["StepContext", "Step"], Awaitable[StepResult]]
-ExpandFn = Callable[["ActionSpec", "NodeIncident"], "list[ActionSpec]"]
-StatusChangeFn = Callable[["NodeView", "Step", "StepContext"], "tuple[dict[str, Any] | None, StepResult]"]
-EffectKeyFn = Callable[["ActionSpec", "ActuatorSettings", "Problem | None"], "str | None"]
+NodeChangeFn = Callable[["NodeView", "Ledger", StepLike, "StepContext"], "NodeChange"]
+RunFn = Callable[["StepContext", StepLike], Awaitable[StepResult]]
+ExpandFn = Callable[[ActionSpecLike, "NodeIncident"], Expansion]
+StatusChangeFn = Callable[["NodeView", StepLike, "StepContext"], "tuple[dict[str, Any] | None, StepResult]"]
+EffectKeyFn = Callable[[ActionSpecLike, "ActuatorSettings", "Problem | None"], "str | None"]
 
 
 @dataclass(frozen=True)
@@ -123,7 +209,7 @@ class ActionDef:
     uses_drain_slot: bool = False
     """Holds one of the cluster-wide drain slots while it runs (renewed with its lease)."""
     expand: ExpandFn | None = None
-    """For ``Kind.MACRO``: the actions it stands for, given the incident."""
+    """For ``Kind.MACRO``: the actions it stands for, given the incident (``plan`` validates them)."""
     status_change: StatusChangeFn | None = None
     """For ``Kind.INSTANT``: the step as a status entry (pure), written with the ledger in one status write."""
 

@@ -17,34 +17,32 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import conditions, effects
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, ActionSpecLike, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.kube import Conflict, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.problems import OWN_CONDITION_TYPES, Problem, ProblemClass, event_message
 from schemas.records import Outcome
 
 if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
-    from pipeline.actuator.policy import ActionSpec
     from pipeline.actuator.settings import ActuatorSettings
 
 _ATTEMPTS = 50
 
 
-def target(spec: ActionSpec, problem: Problem | None) -> tuple[str, str]:
+def target(spec: ActionSpecLike, problem: Problem | None) -> tuple[str, str]:
     """(type, status) the step sets: the policy's, else the problem's own condition, True."""
     if spec.condition_type:
         return spec.condition_type, str(spec.status)
     return str(problem.condition_type if problem else ProblemClass.XID), "True"
 
 
-def _effect_key(spec: ActionSpec, settings: ActuatorSettings, problem: Problem | None) -> str | None:
+def _effect_key(spec: ActionSpecLike, settings: ActuatorSettings, problem: Problem | None) -> str | None:
     if not spec.condition_type and problem is None:
         return None
     return conditions.effect_key(*target(spec, problem))
 
 
-def decide(view: NodeView, step: Step, ctx: StepContext) -> tuple[dict[str, Any] | None, StepResult]:
+def decide(view: NodeView, step: StepLike, ctx: StepContext) -> tuple[dict[str, Any] | None, StepResult]:
     """The condition to write given the node as seen (pure), or None with why nothing is written.
 
     The effector writes it with the ledger in one status write (``status_change``); ``run`` writes it alone.
@@ -66,7 +64,7 @@ def decide(view: NodeView, step: Step, ctx: StepContext) -> tuple[dict[str, Any]
     return entry, StepResult(Outcome.APPLIED, f"{ctype}={status} ({reason})", owns=(key,))
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     """Conditional status write: of two replicas racing, one sets it and the other sees it set."""
     view = ctx.view
     for _ in range(_ATTEMPTS):

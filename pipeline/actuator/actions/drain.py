@@ -10,16 +10,12 @@ import asyncio
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, ActionSpecLike, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.checkpoint_wait import before_drain
 from pipeline.actuator.kube import Kube, NotFound, TooManyRequests
 from schemas.records import Outcome
-
-if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
-    from pipeline.actuator.policy import ActionSpec
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
 DEFAULT_DRAIN_TIMEOUT = 300.0
@@ -76,7 +72,7 @@ class DrainResult:
     reason: str = ""
 
 
-async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.0) -> DrainResult:
+async def drain(kube: Kube, node: str, spec: ActionSpecLike, max_backoff: float = 5.0) -> DrainResult:
     """Evict every pod that may go, honouring PDBs (429 -> backoff), then force only if allowed."""
     start = time.monotonic()
     timeout = spec.timeout or DEFAULT_DRAIN_TIMEOUT
@@ -123,7 +119,7 @@ async def drain(kube: Kube, node: str, spec: ActionSpec, max_backoff: float = 5.
         backoff = min(backoff * 2, max_backoff)
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     node = ctx.plan.node
     # The checkpoint wait (checkpointGrace) comes before the drain slot: waiting evicts nothing, so it
     # must not keep another node's drain waiting for the slot.

@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipeline.actuator import effects
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.problems import event_message
 from schemas.records import Outcome
 
-if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
 
-
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, problem = ctx.plan, ctx.plan.problem
     message = event_message(ctx.incident) if ctx.incident else f"rescue request {plan.flow_key}"
     reason = problem.event_reason if problem else "RescueRequest"

@@ -13,16 +13,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from pipeline.actuator import dra, effects, workload
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.kube import Forbidden, Kube, NotFound
 from schemas.records import NodeIncident, Outcome
-
-if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
-
 
 
 async def _read_owners(kube: Kube, keys: set[workload.Key]) -> dict[workload.Key, dict[str, Any]]:
@@ -108,7 +104,7 @@ async def _tell(
     return created, written, False
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     incident = ctx.incident
     if incident is None:
         return StepResult(Outcome.SKIPPED, "no incident: no GPU fault to tell the workload about")

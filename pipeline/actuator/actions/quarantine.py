@@ -8,38 +8,26 @@ Either quarantine also tells the pods on the node (notifyWorkload: pod Events an
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
-from pipeline.actuator.actions.base import ActionDef, Kind
-
-if TYPE_CHECKING:
-    from pipeline.actuator.policy import ActionSpec
-    from schemas.records import NodeIncident
+from pipeline.actuator.actions.base import ActionDef, ActionSpecLike, Expansion, Kind
+from schemas.records import Action, NodeIncident
 
 
-def expand(spec: ActionSpec, incident: NodeIncident) -> list[ActionSpec]:
-    from pipeline.actuator.policy import ActionSpec
-    from schemas.records import Action
-
+def expand(spec: ActionSpecLike, incident: NodeIncident) -> Expansion:
+    """The actions the quarantine stands for, as (name, attributes); ``plan`` validates them as ActionSpecs."""
     if not (incident.quarantine or incident.action.quarantines):
         if incident.action is Action.ALERT:
-            return [ActionSpec(name="condition"), ActionSpec(name="event")]
-        return [] if incident.action is Action.IGNORE else [ActionSpec(name="event")]
+            return [("condition", {}), ("event", {})]
+        return [] if incident.action is Action.IGNORE else [("event", {})]
     attrs = (("key", spec.key), ("value", spec.value), ("effect", spec.effect))
-    taint = {k: v for k, v in attrs if v}
+    taint: dict[str, Any] = {k: v for k, v in attrs if v}
     if spec.per_gpu:
         # Per-GPU quarantine: taintDevice takes the one GPU out, or the node when the fault is node-scoped,
         # the GPU is not published by a DRA driver, or the node has too many tainted (see its module).
         cap = {"max_tainted_devices": spec.max_tainted_devices} if spec.max_tainted_devices is not None else {}
-        return [ActionSpec(name="taintDevice", **taint, **cap), ActionSpec(name="condition"), ActionSpec(name="event"),
-                ActionSpec(name="notifyWorkload")]
-    return [
-        ActionSpec(name="cordon"),
-        ActionSpec(name="taint", **taint),
-        ActionSpec(name="condition"),
-        ActionSpec(name="event"),
-        ActionSpec(name="notifyWorkload"),
-    ]
+        return [("taintDevice", {**taint, **cap}), ("condition", {}), ("event", {}), ("notifyWorkload", {})]
+    return [("cordon", {}), ("taint", taint), ("condition", {}), ("event", {}), ("notifyWorkload", {})]
 
 
 ACTION = ActionDef(

@@ -9,14 +9,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects, jobtemplates
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from schemas.records import Outcome
 
 if TYPE_CHECKING:
     from pipeline.actuator.nodeview import NodeView
     from pipeline.actuator.ownership import Ledger
-    from pipeline.actuator.plan import Step
 
 
 def read_template(path: str, default: str) -> str:
@@ -26,7 +25,7 @@ def read_template(path: str, default: str) -> str:
         return fh.read()
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, spec = ctx.plan, step.spec
     flow = plan.flow_key
     before = ctx.view.ledger.flow_value(flow, "boot_id_before") or ctx.view.boot_id

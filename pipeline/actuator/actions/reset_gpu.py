@@ -2,18 +2,13 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipeline.actuator import effects, jobtemplates
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.actions.reboot import read_template
 from schemas.records import Outcome
 
-if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
 
-
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, spec, settings = ctx.plan, step.spec, ctx.settings
     name = effects.object_name("xidflow-gpureset", plan.node, plan.flow_key, length=12)
     template = spec.job_template or read_template(settings.reset_job_template, effects.DEFAULT_RESET_JOB)

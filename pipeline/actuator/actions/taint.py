@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from pipeline.actuator import effects
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike
 from pipeline.actuator.ownership import taint_effect_key
 
 if TYPE_CHECKING:
     from pipeline.actuator.nodeview import NodeView
     from pipeline.actuator.ownership import Ledger
-    from pipeline.actuator.plan import Step
 
 
-def change(view: NodeView, ledger: Ledger, step: Step, ctx: StepContext) -> effects.NodeChange:
+def change(view: NodeView, ledger: Ledger, step: StepLike, ctx: StepContext) -> effects.NodeChange:
     spec, settings, problem = step.spec, ctx.settings, ctx.plan.problem
     return effects.taint_change(
         view,

@@ -27,7 +27,7 @@ from enum import StrEnum
 from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.dra import GROUP, PCI_ATTRIBUTE, SLICE_VERSION, DeviceRef, find_devices, normalise_bdf
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.ownership import CORDON
@@ -37,7 +37,6 @@ from schemas.records import FaultKind, NodeIncident, Outcome, stable_id
 if TYPE_CHECKING:
     from pipeline.actuator.nodeview import NodeView
     from pipeline.actuator.ownership import Ledger
-    from pipeline.actuator.plan import Step
 
 RULE_VERSION = "v1beta2"
 """DeviceTaintRule: 1.36 serves it at v1beta2 only, behind the beta feature gate DRADeviceTaintRules (off by
@@ -203,7 +202,7 @@ async def delete_rules(kube: Kube, names: Iterable[str]) -> list[str]:
     return deleted
 
 
-async def _quarantine_node(ctx: StepContext, step: Step) -> tuple[str, bool]:
+async def _quarantine_node(ctx: StepContext, step: StepLike) -> tuple[str, bool]:
     """Cordon + taint the node as ``cordon`` and ``taint`` do (owned in the ledger), through the breaker.
 
     Returns what happened and whether the node changed."""
@@ -234,7 +233,7 @@ async def _quarantine_node(ctx: StepContext, step: Step) -> tuple[str, bool]:
     return note, changed
 
 
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, spec, settings, incident = ctx.plan, step.spec, ctx.settings, ctx.incident
     pci = normalise_bdf(incident.pci) if incident is not None and incident.pci else None
     what = f"{incident.kind.value} {incident.code}" if incident is not None and incident.code is not None else (

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pipeline.actuator import effects
-from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepResult
+from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.kube import Conflict
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import STANDBY_FOR_ANNOTATION
 from schemas.records import Outcome
 
-if TYPE_CHECKING:
-    from pipeline.actuator.plan import Step
 
-
-async def run(ctx: StepContext, step: Step) -> StepResult:
+async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, settings = ctx.plan, ctx.settings
     marker = f"{plan.node}/{plan.flow_key}"
     # Standby nodes are part of the GPU fleet: the fleet selector keeps the choice inside it.
