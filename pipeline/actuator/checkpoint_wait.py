@@ -24,10 +24,9 @@ from pipeline.actuator.workload import uses_gpu
 from pipeline.catalog import Catalog
 
 if TYPE_CHECKING:
-    from pipeline.actuator.actions.base import StepContext
+    from pipeline.actuator.actions.base import StepContext, StepLike
     from pipeline.actuator.nodeview import NodeView
     from pipeline.actuator.ownership import Ledger
-    from pipeline.actuator.plan import Step
 
 log = logging.getLogger("xidflow.actuator.checkpoint")
 
@@ -47,7 +46,7 @@ def _waited_for(pods: Mapping[str, Pod], select: Select) -> list[Pod]:
     return [p for p in chosen if uses_gpu(p) and not (p.get("metadata") or {}).get("deletionTimestamp")]
 
 
-async def _the_wait(ctx: StepContext, step: Step, grace: float) -> Wait:
+async def _the_wait(ctx: StepContext, step: StepLike, grace: float) -> Wait:
     """The wait as the ledger keeps it; recorded now (before any pod is asked) when it is new."""
     flow, name = ctx.plan.flow_key, checkpoint.ledger_name(step.key)
 
@@ -131,7 +130,7 @@ def _details(result: str, wait: Wait, grace: float, prog: Progress, asked: set[s
     }
 
 
-async def before_drain(ctx: StepContext, step: Step, select: Select) -> tuple[str, dict[str, Any]]:
+async def before_drain(ctx: StepContext, step: StepLike, select: Select) -> tuple[str, dict[str, Any]]:
     """Ask for checkpoints and wait as the drain's ``checkpointGrace`` says; (summary, audit details).
 
     Nothing at all when the drain has no grace. A fault that left no running GPU is drained at once,
