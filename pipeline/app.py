@@ -27,7 +27,7 @@ import mode
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients
+from pipeline import kafka_clients, upstream
 from pipeline.aggregation import AggregationSettings
 from pipeline.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.group_membership import faust_consumer, leave_on_close
@@ -331,12 +331,12 @@ def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> N
         live.beat()
         try:
             tps = [tp for tp in consumer.assignment() if tp.topic == topic]
-            read = {tp: consumer._read_offset.get(tp) for tp in tps}  # last offset delivered to the agent
+            read = {tp: upstream.read_offset(consumer, tp) for tp in tps}  # last offset delivered to the agent
             behind = False
             for tp in tps:
                 highwater = consumer.highwater(tp)
                 # Next offset the agent needs: after the last delivered one, else the committed one.
-                done = read[tp] + 1 if read[tp] is not None else consumer._committed_offset.get(tp)
+                done = read[tp] + 1 if read[tp] is not None else upstream.committed_offset(consumer, tp)
                 if highwater is not None and highwater > 0 and (done is None or done < highwater):
                     behind = True
         except Exception:  # noqa: BLE001 - Faust internals moved: report beats only
