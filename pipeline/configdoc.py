@@ -20,6 +20,7 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.logconfig", "LogSettings", "Logging (every process; flags --log-level, --log-format)"),
     ("pipeline.heartbeat", "HealthSettings", "Liveness endpoint served by the event loop (every process)"),
     ("pipeline.settings", "ConsumerGroupSettings", "Consumer-group membership (worker, actuator)"),
+    ("pipeline.supervisor", "SupervisorSettings", "Warm supervisor that replaces a crashed child (worker, actuator)"),
     ("pipeline.catalog", "CatalogSettings", "Xid/SXid catalog overrides (worker, `classify`)"),
     ("pipeline.parse_stage", "ParseSettings", "Parse stage (worker)"),
     ("pipeline.app", "WorkerSettings", "Faust worker (worker)"),

@@ -163,16 +163,23 @@ NOTIFICATION_ATTEMPTS = Counter(
     registry=None,
 )
 
+# -- worker and actuator: pipeline.supervisor --------------------------------------------------------
+SUPERVISOR_RESTARTS = Counter(
+    "xidflow_supervisor_restarts_total",
+    "Children the warm supervisor replaced after an unexpected death (a crash loop backs off, then gives up)",
+    registry=None,
+)
+
 WORKER, ACTUATOR, PROBE, LOKI_TAIL = "worker", "actuator", "probe", "loki-tail"
 
 COMPONENT_METRICS: dict[str, tuple[MetricWrapperBase, ...]] = {
     WORKER: (LINES_IN, FAULT_EVENTS, DEADLETTERS, OUTPUT_FAILURES, OUTPUTS_LOST, INCIDENTS, RECOVERIES,
              E2E_LATENCY, CONSUMER_LAG, LAG_REFRESHED, UNDECODABLE_BATCHES, HELD_PARTITIONS, STAGE_RESTARTS,
-             STAGE_RESTART_DELAY),
+             STAGE_RESTART_DELAY, SUPERVISOR_RESTARTS),
     ACTUATOR: (REMEDIATIONS, BREAKER_OPEN, BREAKER_WINDOW_NODES, BREAKER_WINDOW_SHARE, BREAKER_MAX_SHARE,
                GPU_NODES, QUARANTINED_NODES, FLOW_STEP_AGE, FLOW_STEP_TIMEOUT, FLOW_STEPS_OPEN,
                NOTIFICATIONS, NOTIFICATION_ATTEMPTS, CONSUMER_LAG, LAG_REFRESHED, ACTUATOR_DEADLETTERS,
-               CHECKPOINT_WAITS),
+               CHECKPOINT_WAITS, SUPERVISOR_RESTARTS),
     PROBE: (),
     LOKI_TAIL: (LOKI_TAIL_DEADLETTERS,),
 }

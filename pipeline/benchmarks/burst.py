@@ -8,10 +8,18 @@ topic; a watch on the nodes sees each node's quarantine taint appear. Latency = 
 saw the taint - the moment the line was handed to the producer (same clock, same process).
 
 - ``burst``: every node's line at once, nothing disturbed.
-- ``failover_actuator``: the same burst; one of the two actuator replicas is SIGKILLed right after
-  the burst is produced and restarted at once with the same identity (what the kubelet does to a
-  crashed container: same pod, same name).
-- ``failover_worker``: the same with the worker SIGKILLed and restarted.
+- ``failover_actuator``: the same burst; the working process of one of the two actuator replicas is
+  SIGKILLed right after the burst is produced: the child of ``xidflow actuator``'s warm supervisor
+  (``pipeline.supervisor``), which forks a replacement at once with the same identity.
+- ``failover_worker``: the same with the worker's working child SIGKILLed.
+- ``failover_actuator_process`` / ``failover_worker_process``: the whole ``xidflow`` process (the
+  supervisor, and its child with it) SIGKILLed and started again at once with the same identity,
+  what the kubelet does to a crashed container (same pod, same name): the cost of a process start.
+- ``failover_lost_actuator`` / ``failover_lost_worker``: a replica SIGKILLed that never comes back
+  (pod deleted without a goodbye, node lost): the other replica (two workers in the worker case)
+  takes its partitions once the broker expires its session (``_session_timeout_s``, reported), so
+  the figure is bounded by that timeout plus the rebalance (``_takeover_s``: kill to the survivors
+  holding every partition).
 - ``rolling``: two workers and two actuators; lines are paced over the time it takes to restart
   each process in turn with SIGTERM (each waits for the previous one to be back in its groups).
 
@@ -94,6 +102,16 @@ class Proc:
     env: dict[str, str]
     log: Path
     proc: asyncio.subprocess.Process | None = None
+    lost: bool = False
+    """Killed for good (the lost-replica scenarios): no longer expected to run or to hold partitions."""
+
+    def work_pid(self) -> int:
+        """The pid that does the work: the supervisor's child (``pipeline.supervisor``), else the process."""
+        from pipeline.supervisor import child_pids
+
+        assert self.proc is not None
+        children = child_pids(self.proc.pid)
+        return children[0] if children else self.proc.pid
 
     async def start(self) -> None:
         out = self.log.open("ab")
@@ -268,7 +286,7 @@ class World:
 
     def check_alive(self) -> None:
         for name, proc in self.procs.items():
-            if not proc.alive():
+            if not proc.alive() and not proc.lost:
                 code = proc.proc.returncode if proc.proc else None
                 raise RuntimeError(f"{name} exited ({code}), log {proc.log}: {proc.tail()}")
 
@@ -364,7 +382,7 @@ class World:
         """
         deadline = time.monotonic() + limit_s
         wanted: dict[str, set[str]] = {}
-        for p in self.procs:
+        for p in (p for p, proc in self.procs.items() if not proc.lost):
             for g in self.groups(p):
                 wanted.setdefault(g, set()).add(p)
         groups = {g for p in procs for g in self.groups(p)}
@@ -381,6 +399,19 @@ class World:
             if time.monotonic() > deadline:
                 raise RuntimeError(f"groups did not settle within {limit_s:.0f}s: {views}")
             await asyncio.sleep(0.2)
+
+    async def wait_assigned(self, groups: list[str], limit_s: float = 300) -> None:
+        """Until no member of these groups is a lost process (its session expired, the rebalance done)."""
+        lost = {n for n, p in self.procs.items() if p.lost}
+        deadline = time.monotonic() + limit_s
+        while time.monotonic() < deadline:
+            views: list[GroupView] = []
+            with contextlib.suppress(KafkaError):
+                views = [await describe_group(self.bootstrap, g) for g in groups]
+            if views and all(v.state == "Stable" and not any(v.member(n) for n in lost) for v in views):
+                return
+            await asyncio.sleep(0.2)
+        raise RuntimeError(f"the lost member still holds partitions of {groups} after {limit_s:.0f}s")
 
     def _holding(self, view: GroupView, procs: set[str], stale: set[str | None]) -> bool:
         """Every running one of ``procs`` is a member of the group with partitions assigned."""
@@ -626,16 +657,44 @@ def stage_split(
     return out
 
 
-async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
-    """SIGKILL one process mid-burst, restart it at once (same identity); seconds until it is back."""
+async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1, child: bool = True) -> dict[str, Any]:
+    """SIGKILL one replica mid-burst; seconds until it is back in its groups with the same identity.
+
+    ``child``: kill the process that does the work (the supervisor forks its replacement); else the
+    whole ``xidflow`` process, started again at once (a container restart).
+    """
     await asyncio.sleep(delay_s)
     p = world.procs[proc]
     before = await world.member_ids(proc)
+    victim = p.work_pid() if child else None
     start = time.monotonic()
-    await p.signal(signal.SIGKILL)
-    await p.start()
+    if victim is not None and p.proc is not None and victim != p.proc.pid:
+        os.kill(victim, signal.SIGKILL)
+    else:
+        await p.signal(signal.SIGKILL)
+        await p.start()
     await world.wait_members([proc], replaced=before)
     return {"restart_s": round(time.monotonic() - start, 2)}
+
+
+async def lose(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
+    """SIGKILL one replica mid-burst for good (its supervised child dies with it); the survivors take over.
+
+    ``takeover_s``: kill to every group Stable with the survivors holding the partitions; with
+    ``session_timeout_s`` (the broker expires the dead member only after it) it bounds the figure.
+    """
+    from pipeline.settings import ConsumerGroupSettings
+
+    await asyncio.sleep(delay_s)
+    p = world.procs[proc]
+    start = time.monotonic()
+    p.lost = True
+    await p.signal(signal.SIGKILL)
+    survivors = [n for n, q in world.procs.items() if not q.lost and set(world.groups(n)) & set(world.groups(proc))]
+    await world.wait_members(survivors, limit_s=300)
+    await world.wait_assigned(world.groups(proc))
+    return {"takeover_s": round(time.monotonic() - start, 2),
+            "session_timeout_s": ConsumerGroupSettings().session_timeout_s}
 
 
 async def rolling_restart(world: World) -> dict[str, Any]:
@@ -663,14 +722,26 @@ async def burst(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = Non
 async def failover(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:
     kw = {"progress": progress} if progress else {}
 
-    async def actuator(world: World) -> dict[str, Any]:
-        return {f"failover_actuator_{k}": v for k, v in (await kill_and_restart(world, "actuator-1")).items()}
+    def scenario(prefix: str, disruption: Callable[[World], Awaitable[dict[str, Any]]]) -> Disruption:
+        async def run(world: World) -> dict[str, Any]:
+            return {f"{prefix}_{k}": v for k, v in (await disruption(world)).items()}
 
-    async def worker(world: World) -> dict[str, Any]:
-        return {f"failover_worker_{k}": v for k, v in (await kill_and_restart(world, "worker-0")).items()}
+        return run
 
-    out = await run_scenario(bootstrap, kubeconfig, nodes, "failover_actuator", disrupt=actuator, **kw)
-    out.update(await run_scenario(bootstrap, kubeconfig, nodes, "failover_worker", disrupt=worker, **kw))
+    out: dict[str, Any] = {}
+    runs: list[tuple[str, Disruption, int]] = [
+        ("failover_actuator", scenario("failover_actuator", lambda w: kill_and_restart(w, "actuator-1")), 1),
+        ("failover_worker", scenario("failover_worker", lambda w: kill_and_restart(w, "worker-0")), 1),
+        ("failover_actuator_process", scenario(
+            "failover_actuator_process", lambda w: kill_and_restart(w, "actuator-1", child=False)), 1),
+        ("failover_worker_process", scenario(
+            "failover_worker_process", lambda w: kill_and_restart(w, "worker-0", child=False)), 1),
+        ("failover_lost_actuator", scenario("failover_lost_actuator", lambda w: lose(w, "actuator-1")), 1),
+        # Two workers: someone must be there to take the lost one's partitions.
+        ("failover_lost_worker", scenario("failover_lost_worker", lambda w: lose(w, "worker-1")), 2),
+    ]
+    for prefix, disrupt, workers in runs:
+        out.update(await run_scenario(bootstrap, kubeconfig, nodes, prefix, workers=workers, disrupt=disrupt, **kw))
     return out
 
 

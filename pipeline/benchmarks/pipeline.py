@@ -17,7 +17,10 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   client writing the same patches at the same concurrency (``storm_vs_raw_ratio``).
 - ``burst``, ``failover``, ``rolling``: kernel line to taint with real worker and actuator processes
   (``pipeline.benchmarks.burst``): ``burst_p50_ms``/``_p99_ms``/``_max_ms``,
-  ``failover_actuator_p99_ms``, ``failover_worker_p99_ms`` (with ``_over_5s`` counts) and
+  ``failover_actuator_p99_ms``, ``failover_worker_p99_ms`` (the supervised child killed),
+  ``failover_actuator_process_p99_ms``, ``failover_worker_process_p99_ms`` (the whole process killed
+  and restarted), ``failover_lost_actuator_p99_ms``, ``failover_lost_worker_p99_ms`` (a replica that
+  never comes back; with ``_takeover_s`` and ``_session_timeout_s``), each with ``_over_5s`` counts, and
   ``rolling_p99_ms``; each split into ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
   The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
   and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.

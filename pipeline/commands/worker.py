@@ -26,6 +26,9 @@ from pipeline.logconfig import log_options
               help="Group session timeout in seconds. [env XIDFLOW_GROUP_SESSION_TIMEOUT_S]")
 @click.option("--instance-id", default=None,
               help="Static group member id (KIP-345). [env XIDFLOW_GROUP_INSTANCE_ID, else POD_NAME]")
+@click.option("--supervise/--no-supervise", default=None,
+              help="Run the work in a child that a warm supervisor replaces at once when it dies "
+                   "(pipeline.supervisor). [env XIDFLOW_SUPERVISOR_ENABLED, default on]")
 @log_options
 def worker(
     bootstrap: str,
@@ -36,6 +39,7 @@ def worker(
     aggregate: bool | None,
     session_timeout: float | None,
     instance_id: str | None,
+    supervise: bool | None,
 ) -> None:
     """Run the Faust parse and aggregation worker until interrupted."""
     import faust
@@ -91,19 +95,53 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
-    from pipeline import allocator, metrics
+    from pipeline import allocator, metrics, supervisor
+    from pipeline.heartbeat import install_faust
+    from pipeline.logconfig import current, dict_config
     from pipeline.metrics import serve_metrics
 
-    allocator.tune()  # before the first burst: large blocks are then given back when freed
+    supervisor.preload(WORKER_MODULES)
+    level, fmt = current()
 
-    serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
-    xapp = create_app(bootstrap, settings, topics, group=group)
-    from pipeline.heartbeat import install_faust
+    def work() -> None:
+        """The worker itself: every thread, loop and connection is made here, after the fork."""
+        allocator.tune()  # before the first burst: large blocks are then given back when freed
+        serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
+        xapp = create_app(bootstrap, settings, topics, group=group)
+        install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)
+        faust.Worker(xapp.app, loglevel=level, logging_config=dict_config(level, fmt), quiet=True
+                     ).execute_from_commandline()
 
-    install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)
-    from pipeline import logconfig
+    raise SystemExit(supervisor.supervise(work, "worker", supervise))
 
-    level, fmt = logconfig.current()
-    faust.Worker(
-        xapp.app, loglevel=level, logging_config=logconfig.dict_config(level, fmt), quiet=True
-    ).execute_from_commandline()
+
+WORKER_MODULES = (
+    # What the worker imports only once it runs: imported by the supervisor before the fork, so a
+    # replacement child does not pay for them (pipeline.supervisor).
+    "faust.worker",
+    "faust.app.base",
+    "faust.agents",
+    "faust.assignor.leader_assignor",
+    "faust.sensors.monitor",
+    "faust.web.base",
+    "mode.supervisors",
+    "faust.app.router",
+    "faust.events",
+    "faust.fixups.django",
+    "faust.tables.sets",
+    "faust.topics",
+    "faust.transport.utils",
+    "ahocorasick_rs",
+    "faust.transport.drivers.aiokafka",
+    "faust.tables.recovery",
+    "faust.stores.memory",
+    "agents.parse",
+    "agents.aggregate",
+    "pipeline.adapters",
+    "pipeline.detect",
+    "pipeline.parsing.kernel",
+    "pipeline.parsing.pod",
+    "pipeline.shippers",
+    "pipeline.fetch_watchdog",
+    "pipeline.lag",
+)
