@@ -24,7 +24,6 @@ from typing import Any
 
 import faust
 import mode
-from faust.tables import TableManager
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -61,21 +60,6 @@ def worker_topics(app_id: str, topics: TopicNames) -> list[str]:
         topics.name("fabric_signals"),
         topics.name("deadletter"),
     ]
-
-
-class PromptTableManager(TableManager):
-    """Faust's table manager without the one-second sleep it takes before subscribing.
-
-    Faust sleeps a second at start so that tables defined late (by modules imported while the worker
-    starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
-    the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
-    start, and a replacement child's rejoin (``pipeline.supervisor``), by a second.
-    """
-
-    async def on_start(self) -> None:
-        if not self.should_stop:
-            await self._update_channels()
-            await self.recovery.start()
 
 
 class NodeStateTable(faust.Table):
@@ -232,7 +216,7 @@ def create_app(
         web_enabled=False,
         autodiscover=False,
         table_cleanup_interval=3600.0,
-        TableManager=PromptTableManager,
+        TableManager=upstream.PromptTableManager,
         **kafka_clients.faust_options(),  # TLS/SASL credentials, same as every other client
     )
     raw = {"key_serializer": "raw", "value_serializer": "raw"}

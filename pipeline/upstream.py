@@ -26,6 +26,7 @@ What is used, by whom:
   ``aiokafka.protocol`` and ``aiokafka.coordinator.protocol`` (DescribeGroups v4, which aiokafka's
   admin does not offer); the frame of ``PartitionRecords._unpack_records`` (where a batch that
   cannot be decoded is).
+- Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
 - Faust's ``Stream``: ``_active_agens``, ``_enable_passive`` and ``_processors`` (a batch generator
   that keeps filling while the agent works).
 """
@@ -40,6 +41,7 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import UnsupportedCodecError
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
+from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 
 from pipeline.undecodable import Failure, Reason
@@ -137,6 +139,21 @@ def faust_aiokafka_consumer(app: Any) -> Any:
     """The aiokafka consumer behind a started Faust app's consumer (None before it started)."""
     thread = getattr(getattr(app, "_consumer", None), "_thread", None)
     return getattr(thread, "_consumer", None)
+
+
+class PromptTableManager(TableManager):
+    """Faust's table manager without the one-second sleep it takes before subscribing.
+
+    Faust sleeps a second at start so that tables defined late (by modules imported while the worker
+    starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
+    the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
+    start, and a replacement child's rejoin (``pipeline.supervisor``), by a second.
+    """
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
 
 
 # -- Faust's stream ------------------------------------------------------------------------------

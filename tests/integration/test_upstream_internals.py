@@ -35,6 +35,7 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.fetcher import PartitionRecords
 from aiokafka.record.default_records import DefaultRecordBatch
 from faust.streams import Stream
+from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
@@ -76,6 +77,8 @@ METHODS: list[tuple[type, str, list[str], str, str]] = [
      "the fetch watchdog timer (fetch_watchdog.install) reads the aiokafka consumer through it"),
     (AIOKafkaAdminClient, "_send_request", ["self", "request", "node_id"], ASYNC,
      "group_membership.describe_group sends DescribeGroups v4 with it"),
+    (TableManager, "_update_channels", ["self"], ASYNC,
+     "upstream.PromptTableManager.on_start subscribes the tables' channels with it"),
     (AIOKafkaClient, "force_metadata_update", ["self"], AWAITABLE,
      "loki_tail, commands/replay and actuator/testing refresh consumer._client's metadata"),
 ]
@@ -120,6 +123,16 @@ CALL_SITES: list[tuple[Callable[..., Any], str, str]] = [
     (faust_aiokafka.AIOKafkaConsumerThread.on_start, "self._consumer = self._create_consumer(",
      "group_membership.faust_consumer (app._consumer._thread._consumer)"),
 ]
+
+
+def test_the_table_manager_start_we_replace_is_still_sleep_then_subscribe_then_recover() -> None:
+    # upstream.PromptTableManager.on_start is Faust's without the sleep: anything else Faust adds there
+    # would be lost by the override.
+    body = [line.strip() for line in inspect.getsource(TableManager.on_start).splitlines()[1:]]
+    body = [line for line in body if line and not line.startswith(('"""', "#"))]
+    assert body == ["await self.sleep(1.0)", "if not self.should_stop:", "await self._update_channels()",
+                    "await self.recovery.start()"], (
+        f"{FAUST} changed TableManager.on_start: re-read upstream.PromptTableManager.on_start ({body})")
 
 
 @pytest.mark.parametrize(("caller", "call", "override"), CALL_SITES, ids=[c for _, c, _ in CALL_SITES])
