@@ -24,11 +24,10 @@ from typing import Any
 
 import faust
 import mode
-from faust.tables import TableManager
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients
+from pipeline import kafka_clients, upstream
 from pipeline.aggregation import AggregationSettings
 from pipeline.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.group_membership import faust_consumer, leave_on_close
@@ -61,21 +60,6 @@ def worker_topics(app_id: str, topics: TopicNames) -> list[str]:
         topics.name("fabric_signals"),
         topics.name("deadletter"),
     ]
-
-
-class PromptTableManager(TableManager):
-    """Faust's table manager without the one-second sleep it takes before subscribing.
-
-    Faust sleeps a second at start so that tables defined late (by modules imported while the worker
-    starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
-    the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
-    start, and a replacement child's rejoin (``pipeline.supervisor``), by a second.
-    """
-
-    async def on_start(self) -> None:
-        if not self.should_stop:
-            await self._update_channels()
-            await self.recovery.start()
 
 
 class NodeStateTable(faust.Table):
@@ -232,7 +216,7 @@ def create_app(
         web_enabled=False,
         autodiscover=False,
         table_cleanup_interval=3600.0,
-        TableManager=PromptTableManager,
+        TableManager=upstream.PromptTableManager,
         **kafka_clients.faust_options(),  # TLS/SASL credentials, same as every other client
     )
     raw = {"key_serializer": "raw", "value_serializer": "raw"}
@@ -348,12 +332,12 @@ def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> N
         live.beat()
         try:
             tps = [tp for tp in consumer.assignment() if tp.topic == topic]
-            read = {tp: consumer._read_offset.get(tp) for tp in tps}  # last offset delivered to the agent
+            read = {tp: upstream.read_offset(consumer, tp) for tp in tps}  # last offset delivered to the agent
             behind = False
             for tp in tps:
                 highwater = consumer.highwater(tp)
                 # Next offset the agent needs: after the last delivered one, else the committed one.
-                done = read[tp] + 1 if read[tp] is not None else consumer._committed_offset.get(tp)
+                done = read[tp] + 1 if read[tp] is not None else upstream.committed_offset(consumer, tp)
                 if highwater is not None and highwater > 0 and (done is None or done < highwater):
                     behind = True
         except Exception:  # noqa: BLE001 - Faust internals moved: report beats only

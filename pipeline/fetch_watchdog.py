@@ -57,9 +57,7 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from faust.transport.drivers import aiokafka as faust_aiokafka
-
-from pipeline import metrics, undecodable
+from pipeline import metrics, undecodable, upstream
 from pipeline.liveness import LIVENESS, Component
 
 log = logging.getLogger("xidflow.fetch_watchdog")
@@ -194,16 +192,7 @@ only once it returns. In a burst that held a quarter of the fault events for 0.5
 worker sends a small empty fetch every this many ms instead."""
 
 
-class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """Faust's consumer thread, with the fetch wait of its consumer (``GuardedConsumer.fetch_max_wait_ms``)."""
-
-    def _create_worker_consumer(self, transport: Any) -> Any:
-        consumer = super()._create_worker_consumer(transport)
-        consumer._fetch_max_wait_ms = getattr(self.consumer, "fetch_max_wait_ms", FETCH_MAX_WAIT_MS)
-        return consumer
-
-
-class GuardedConsumer(faust_aiokafka.Consumer):
+class GuardedConsumer(upstream.FaustConsumer):
     """Faust's aiokafka consumer that neither skips nor commits past a source record.
 
     ``source_topics`` (set by ``guard``) are the topics whose records must all reach the agents;
@@ -222,9 +211,6 @@ class GuardedConsumer(faust_aiokafka.Consumer):
             self._undecodable = undecodable.Undecodable()
         return self._undecodable
 
-    def _new_consumer_thread(self) -> Any:
-        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
-
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self._log_start: dict[Any, int] = {}
@@ -235,7 +221,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         self._held_acks: dict[tuple[Any, int], list[Any]] = {}  # their acknowledgements, until then
         self.seek_fence = SeekFence()
 
-    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
+    async def fetch_records(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
         held = self._held_partitions()
         if held and active_partitions is not None:
             active_partitions = set(active_partitions) - held
@@ -243,9 +229,9 @@ class GuardedConsumer(faust_aiokafka.Consumer):
                 await asyncio.sleep(min(timeout, 1.0))
                 return {}
         try:
-            records = await super()._getmany(active_partitions, timeout)
+            records = await super().fetch_records(active_partitions, timeout)
         except Exception as exc:
-            failure = undecodable.locate(exc)
+            failure = upstream.locate_undecodable(exc)
             if failure is None:
                 raise
             self._hold(failure)
@@ -302,11 +288,10 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         targets = {tp: offset for tp, offset in targets.items() if tp.topic in self.source_topics}
         self.seek_fence.sought(targets)
 
-    async def _add_gap(self, tp: Any, offset_from: int, offset_to: int) -> None:
+    def keeps_gap(self, tp: Any) -> bool:
         # A jump in delivery on a source topic is records fetched and dropped (see the module
         # docstring), not a hole in the log: booked as a gap, Faust would commit past them.
-        if tp.topic not in self.source_topics:
-            await super()._add_gap(tp, offset_from, offset_to)
+        return tp.topic not in self.source_topics
 
     def finished(self, messages: Iterable[Any]) -> None:
         """An agent made these messages' effects durable: their acknowledgement may count."""
@@ -371,7 +356,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         """
         for message in messages:
             message.acked = True
-            self._unacked_messages.discard(message)
+            self.forget_unacked(message)
             tp = message.tp
             if tp.topic in self.source_topics:
                 self.redo[tp] = min(self.redo.get(tp, message.offset), message.offset)
@@ -398,7 +383,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
 
         A committed offset below the log start (records gone by retention) resumes at the log start.
         """
-        committed = self._committed_offset.get(tp)
+        committed = self.committed_offset(tp)
         log_start = self._log_start.get(tp)
         if committed is None:
             return log_start
@@ -413,18 +398,18 @@ class GuardedConsumer(faust_aiokafka.Consumer):
         await super().perform_seek()
         self.redone.clear()  # Faust just sought every partition back to its committed offset
         assigned = [tp for tp in self.assignment() if tp.topic in self.source_topics]
-        self._sought({tp: self._committed_offset.get(tp) or 0 for tp in assigned})
+        self._sought({tp: self.committed_offset(tp) or 0 for tp in assigned})
         self._log_start = dict(await self.earliest_offsets(*assigned)) if assigned else {}
         # Faust records a committed 0 as None; aiokafka seeks neither a missing nor a 0 commit, and
         # Faust's seek leaves a commit below the log start to the fetcher's reset.
         for tp in assigned:
             resume = self.resume_offset(tp)
-            if resume is not None and resume != self._committed_offset.get(tp):
+            if resume is not None and resume != self.committed_offset(tp):
                 await self.seek(tp, resume)
 
-    def _new_offset(self, tp: Any) -> int | None:
+    def offset_to_commit(self, tp: Any) -> int | None:
         if tp.topic in self.source_topics:
-            acked = self._acked.get(tp)
+            acked = self.acked_offsets(tp)
             if acked:
                 resume = self.resume_offset(tp)
                 if resume is None:
@@ -433,7 +418,7 @@ class GuardedConsumer(faust_aiokafka.Consumer):
                     return None  # a record below the acknowledged ones was never acknowledged
                 # Faust commits the first run of consecutive acknowledged offsets: it stops at the
                 # first record not acknowledged.
-        return super()._new_offset(tp)
+        return super().offset_to_commit(tp)
 
 
 def guard(app: Any, source_topics: set[str], fetch_max_wait_ms: int = FETCH_MAX_WAIT_MS) -> None:
@@ -458,9 +443,7 @@ def install(
         if not getattr(consumer, "flow_active", True) or not isinstance(consumer, GuardedConsumer):
             return
         try:
-            inner = consumer._thread._ensure_consumer()  # the aiokafka consumer (read-only use)
-            paused = set(inner.paused())
-            state = inner._subscription.subscription.assignment
+            paused, position_of = consumer.fetch_positions()
         except Exception:  # noqa: BLE001 - internals moved: the watchdog stands down, the worker goes on
             return
         tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
@@ -470,12 +453,12 @@ def install(
             del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
         for tp in set(consumer.redone) - set(consumer.redo):
             del consumer.redone[tp]
-        in_flight = {m.tp for m in consumer._unacked_messages}  # delivered, being processed
+        in_flight = consumer.in_flight_partitions()  # delivered, being processed
         for tp in tps:
-            if tp in paused or tp in consumer._paused_partitions:
+            if tp in paused or consumer.paused_by_faust(tp):
                 continue
             try:
-                position = state.state_value(tp).position
+                position = position_of(tp)
             except Exception:  # noqa: BLE001 - not assigned any more
                 continue
             start = consumer.resume_offset(tp)
@@ -485,9 +468,9 @@ def install(
             if fence is not None:
                 await _reread_fenced(consumer, tp, fence, start)
                 continue
-            acked = consumer._acked.get(tp)
+            acked = consumer.acked_offsets(tp)
             missing = first_unacked(start, acked) if acked else None
-            delivered = consumer._read_offset.get(tp)
+            delivered = consumer.read_offset(tp)
             last = consumer.seek_fence.last_delivered(tp, delivered)
             tail_unacked = (
                 last is not None

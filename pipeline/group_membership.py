@@ -19,10 +19,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
-from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import for_code
-from aiokafka.protocol.api import Request, RequestStruct, Response
-from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
+
+from pipeline import upstream
 
 log = logging.getLogger("xidflow.group")
 
@@ -30,21 +29,16 @@ log = logging.getLogger("xidflow.group")
 def leave_on_close(consumer: AIOKafkaConsumer | None) -> None:
     """Make ``consumer.stop()`` send LeaveGroup even though the consumer is a static member.
 
-    aiokafka's coordinator skips the LeaveGroup only while it has a group instance id; the id is no
-    longer needed once the consumer is closing (it was used to join). A consumer that never joined
-    a group is left alone.
+    A consumer that never joined a group, or a dynamic member (which leaves anyway), is left alone.
     """
-    coordinator: Any = getattr(consumer, "_coordinator", None)
-    if coordinator is None or getattr(coordinator, "_group_instance_id", None) is None:
-        return
-    log.info("leaving group %s as static member %s", coordinator.group_id, coordinator._group_instance_id)
-    coordinator._group_instance_id = None
+    dropped = upstream.drop_static_identity(consumer)
+    if dropped is not None:
+        log.info("leaving group %s as static member %s", *dropped)
 
 
 def faust_consumer(app: Any) -> AIOKafkaConsumer | None:
     """The aiokafka consumer behind a started Faust app's consumer (None before it started)."""
-    thread = getattr(getattr(app, "_consumer", None), "_thread", None)
-    return getattr(thread, "_consumer", None)
+    return upstream.faust_aiokafka_consumer(app)
 
 
 @dataclass(frozen=True)
@@ -67,62 +61,6 @@ class GroupView:
         return next((m for m in self.members if m.instance_id == instance_id), None)
 
 
-class _DescribeGroupsResponseV4(Response):
-    API_KEY = 15
-    API_VERSION = 4
-    SCHEMA = Schema(
-        ("throttle_time_ms", Int32),
-        (
-            "groups",
-            Array(
-                ("error_code", Int16),
-                ("group", String("utf-8")),
-                ("state", String("utf-8")),
-                ("protocol_type", String("utf-8")),
-                ("protocol", String("utf-8")),
-                (
-                    "members",
-                    Array(
-                        ("member_id", String("utf-8")),
-                        ("group_instance_id", String("utf-8")),
-                        ("client_id", String("utf-8")),
-                        ("client_host", String("utf-8")),
-                        ("member_metadata", Bytes),
-                        ("member_assignment", Bytes),
-                    ),
-                ),
-                ("authorized_operations", Int32),
-            ),
-        ),
-    )
-
-
-class _DescribeGroupsRequestV4(RequestStruct):
-    API_KEY = 15
-    API_VERSION = 4
-    RESPONSE_TYPE = _DescribeGroupsResponseV4
-    SCHEMA = Schema(("groups", Array(String("utf-8"))), ("include_authorized_operations", Boolean))
-
-
-class _DescribeGroups(Request[_DescribeGroupsRequestV4]):
-    """aiokafka describes groups up to v3, which lacks the members' group.instance.id (added in v4)."""
-
-    API_KEY = 15
-
-    def __init__(self, groups: list[str]) -> None:
-        self._groups = groups
-
-    def build(self, request_struct_class: type[_DescribeGroupsRequestV4]) -> _DescribeGroupsRequestV4:
-        return request_struct_class(self._groups, False)
-
-
-def _partitions(assignment: bytes | None) -> tuple[tuple[str, int], ...]:
-    if not assignment:
-        return ()
-    decoded = ConsumerProtocolMemberAssignment.decode(assignment)
-    return tuple(sorted((t, p) for t, parts in decoded.assignment for p in parts))
-
-
 async def describe_group(bootstrap: str, group: str) -> GroupView:
     """The group's state and members, each with its group.instance.id and assigned partitions."""
     from pipeline import kafka_clients
@@ -131,10 +69,10 @@ async def describe_group(bootstrap: str, group: str) -> GroupView:
     await admin.start()
     try:
         node = await admin.find_coordinator(group)
-        response = await admin._send_request(_DescribeGroups([group]), node)
+        groups = await upstream.describe_groups(admin, group, node)
     finally:
         await admin.close()
-    for error_code, name, state, _ptype, _proto, members, _ops in response.groups:
+    for error_code, name, state, _ptype, _proto, members, _ops in groups:
         if name != group:
             continue
         if error_code:
@@ -144,7 +82,7 @@ async def describe_group(bootstrap: str, group: str) -> GroupView:
             group=name,
             state=state,
             members=tuple(
-                Member(member_id=m[0], instance_id=m[1], client_id=m[2], partitions=_partitions(m[5]))
+                Member(member_id=m[0], instance_id=m[1], client_id=m[2], partitions=upstream.assigned_partitions(m[5]))
                 for m in members
             ),
         )

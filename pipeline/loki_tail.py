@@ -38,7 +38,7 @@ from urllib.parse import urlencode, urlsplit, urlunsplit
 import orjson
 from websockets.exceptions import InvalidStatus
 
-from pipeline import kafka_clients, metrics
+from pipeline import kafka_clients, metrics, upstream
 from pipeline.deadletter_log import DeadLetterReporter
 from schemas.records import DeadLetter, DeadLetterCode
 
@@ -338,7 +338,7 @@ class LokiTailBridge:
 
             ids = consumer.partitions_for_topic(self.topic)
             if not ids:  # topics() fetched metadata apart; the client's own view needs a refresh
-                await consumer._client.force_metadata_update()
+                await upstream.refresh_metadata(consumer)
                 ids = consumer.partitions_for_topic(self.topic) or set()
             partitions = [TopicPartition(self.topic, p) for p in sorted(ids)]
             if not partitions:

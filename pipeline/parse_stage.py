@@ -53,7 +53,7 @@ from aiokafka.errors import (
 from pydantic import Field, ValidationError
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients, metrics, undecodable
+from pipeline import kafka_clients, metrics, undecodable, upstream
 from pipeline.bounds import DEFAULT_MAX_DEAD_LETTERS, DEFAULT_MAX_LINE_CHARS, cap_dead_letters, clip_record
 from pipeline.catalog import Catalog
 from pipeline.deadletter_log import DeadLetterReporter
@@ -695,7 +695,7 @@ class ParseStage:
                     try:
                         batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
                     except Exception as exc:
-                        failure = undecodable.locate(exc)
+                        failure = upstream.locate_undecodable(exc)
                         if failure is None:
                             raise  # not a batch: the connection or the broker (the host restarts the stage)
                         await self._undecodable(consumer, producer, failure)
@@ -792,7 +792,7 @@ class ParseStage:
                 got = await consumer.getmany(tp, timeout_ms=s.poll_timeout_ms,
                                              max_records=min(failure.first_offset - position, s.max_records))
             except Exception as exc:
-                again = undecodable.locate(exc)
+                again = upstream.locate_undecodable(exc)
                 if again is None:
                     raise
                 # Offsets before the batch are not all records (a control batch, compaction): the batch

@@ -20,15 +20,15 @@ import asyncio
 from collections.abc import AsyncGenerator
 from typing import Any
 
+from pipeline import upstream
+
 
 def take_batches(stream: Any, max_: int, within: float) -> AsyncGenerator[list[Any], None]:
     """Lists of up to ``max_`` events of ``stream`` (a Faust stream): what arrived while the agent worked
     on the previous one, else what arrives within ``within`` seconds (at once when ``max_`` arrive)."""
     batches = _take(stream, max_, within)
     # Like take_events: the stream closes a generator left open when it stops (its finally acknowledges).
-    active = getattr(stream, "_active_agens", None)
-    if active is not None:
-        active.add(batches)
+    upstream.attach_generator(stream, batches)
     return batches
 
 
@@ -59,7 +59,7 @@ async def _take(stream: Any, max_: int, within: float) -> AsyncGenerator[list[An
     enable_acks = stream.enable_acks
     stream.enable_acks = False  # acknowledged here, once the agent is done with the batch
     stream.add_processor(add)
-    stream._enable_passive(stream.channel.__aiter__())
+    upstream.drain_in_background(stream)
     try:
         while not stream.should_stop:
             if not events:
@@ -77,4 +77,4 @@ async def _take(stream: Any, max_: int, within: float) -> AsyncGenerator[list[An
                     await stream.ack(event)
     finally:
         stream.enable_acks = enable_acks
-        stream._processors.remove(add)
+        upstream.remove_processor(stream, add)

@@ -25,12 +25,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from types import TracebackType
-from typing import Any
-
-from aiokafka.errors import UnsupportedCodecError
-
-_RECORD_ITERATOR = "_unpack_records"  # aiokafka.consumer.fetcher.PartitionRecords._unpack_records
 
 
 class Reason(enum.StrEnum):
@@ -78,37 +72,6 @@ class Failure:
         else:
             todo = "fetching it once more before skipping it"
         return f"undecodable record batch at {where}: {self.error}; {todo}"
-
-
-def locate(exc: BaseException) -> Failure | None:
-    """The batch behind a decode failure raised by ``getmany``, or None when ``exc`` is not one.
-
-    A decode failure is an exception raised while aiokafka's record iterator unpacked a batch; its
-    frame holds the partition (``tp``) and the batch (``next_batch``).
-    """
-    tb: TracebackType | None = exc.__traceback__
-    frame_locals: dict[str, Any] | None = None
-    while tb is not None:
-        if tb.tb_frame.f_code.co_name == _RECORD_ITERATOR:
-            frame_locals = tb.tb_frame.f_locals
-        tb = tb.tb_next
-    if frame_locals is None:
-        return None
-    tp, batch = frame_locals.get("tp"), frame_locals.get("next_batch")
-    if tp is None or batch is None:
-        return None
-    try:
-        first = int(batch.base_offset)
-    except (AttributeError, TypeError, ValueError):
-        return None
-    try:
-        last: int | None = first + int(batch.last_offset_delta)
-    except (AttributeError, TypeError, ValueError):
-        last = None
-    reason = Reason.UNSUPPORTED_CODEC if isinstance(exc, UnsupportedCodecError) else Reason.CORRUPT
-    text = str(exc)  # aiokafka's errors start with their class name already
-    error = text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
-    return Failure(tp.topic, tp.partition, first, last, reason, error)
 
 
 @dataclass

@@ -14,7 +14,7 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from pipeline import kafka_clients
+from pipeline import kafka_clients, upstream
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
 
@@ -169,7 +169,7 @@ async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[
     try:
         parts = consumer.partitions_for_topic(topic) or set()
         if not parts:
-            await consumer._client.force_metadata_update()
+            await upstream.refresh_metadata(consumer)
             parts = consumer.partitions_for_topic(topic) or set()
         tps = [TopicPartition(topic, p) for p in parts]
         consumer.assign(tps)

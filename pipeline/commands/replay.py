@@ -49,7 +49,7 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
     from aiokafka import TopicPartition
     from aiokafka.errors import KafkaConnectionError
 
-    from pipeline import kafka_clients
+    from pipeline import kafka_clients, upstream
     from pipeline.parse_stage import ParseCore, ParseSettings
     from pipeline.replay import RawLog
 
@@ -66,7 +66,7 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
             raise KafkaConnectionError(f"no answer within {timeout_s:g}s") from None
         present = await consumer.topics()
         if any(t in present and not consumer.partitions_for_topic(t) for t in topics):
-            await consumer._client.force_metadata_update()  # topics() fetched metadata apart from the client's
+            await upstream.refresh_metadata(consumer)  # topics() fetched metadata apart from the client's
         tps: list[TopicPartition] = []
         for topic in topics:
             if topic not in present:

@@ -1,10 +1,11 @@
 """Every private name of faust-streaming and aiokafka that xidflow touches, and every upstream behaviour it
 patches: one test each, so that an upgrade fails here, for the right reason, before it loses a record.
 
-The exactly-once guarantees of the aggregation rest on Faust's consumer internals (``pipeline/fetch_watchdog.py``
-overrides and reads them, ``pipeline/app.py`` reads two), ``pipeline/undecodable.py`` finds a bad batch in
-aiokafka's record iterator, ``pipeline/group_membership.py`` makes a static member leave its group and speaks
-DescribeGroups v4 through aiokafka's protocol classes, and three places refresh an aiokafka client's metadata.
+Every one of them is used in ``pipeline/upstream.py`` alone (the seam): Faust's consumer hooks and bookkeeping
+(for ``pipeline/fetch_watchdog.py``'s guarantees and two reads in ``pipeline/app.py``), aiokafka's record
+iterator (where ``pipeline/undecodable.py``'s bad batch is), the coordinator's static identity and
+DescribeGroups v4 (``pipeline/group_membership.py``), Faust's stream (``pipeline/stream_batches.py``) and the
+clients' metadata refresh. ``test_no_private_upstream_name_outside_the_seam`` keeps it that way.
 pyproject.toml holds these packages to one minor release; "Upgrading dependencies" (docs/dependencies.md)
 says what to do when a test here fails. Each failure message names the upstream change and who relied on it.
 
@@ -34,10 +35,11 @@ from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.fetcher import PartitionRecords
 from aiokafka.record.default_records import DefaultRecordBatch
 from faust.streams import Stream
+from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
-from pipeline import fetch_watchdog, group_membership, kafka_clients, undecodable
+from pipeline import fetch_watchdog, group_membership, kafka_clients, upstream
 from pipeline.app import create_app
 from pipeline.kafka_admin import ensure_topics
 
@@ -52,13 +54,13 @@ ASYNC, SYNC, ASYNC_GEN, AWAITABLE = "coroutine function", "plain function", "asy
 # (owner, name, parameters, kind, who relies on it)
 METHODS: list[tuple[type, str, list[str], str, str]] = [
     (faust_aiokafka.Consumer, "_getmany", ["self", "active_partitions", "timeout"], ASYNC,
-     "fetch_watchdog.GuardedConsumer._getmany keeps held (undecodable) partitions out of the fetch"),
+     "upstream.FaustConsumer._getmany -> fetch_records (fetch_watchdog keeps held partitions out of the fetch)"),
     (faust_aiokafka.Consumer, "_add_gap", ["self", "tp", "offset_from", "offset_to"], ASYNC,
-     "fetch_watchdog.GuardedConsumer._add_gap refuses gaps on the source topics"),
+     "upstream.FaustConsumer._add_gap -> keeps_gap (fetch_watchdog refuses gaps on the source topics)"),
     (faust_aiokafka.Consumer, "_new_offset", ["self", "tp"], SYNC,
-     "fetch_watchdog.GuardedConsumer._new_offset refuses a commit past an unacknowledged record"),
+     "upstream.FaustConsumer._new_offset -> offset_to_commit (fetch_watchdog: no commit past an unacked record)"),
     (faust_aiokafka.Consumer, "_new_consumer_thread", ["self"], SYNC,
-     "fetch_watchdog.GuardedConsumer._new_consumer_thread installs _ConsumerThread"),
+     "upstream.FaustConsumer._new_consumer_thread installs upstream._ConsumerThread"),
     (faust_aiokafka.Consumer, "getmany", ["self", "timeout"], ASYNC_GEN,
      "fetch_watchdog.GuardedConsumer.getmany applies the seek fence"),
     (faust_aiokafka.Consumer, "seek", ["self", "partition", "offset"], ASYNC,
@@ -70,11 +72,13 @@ METHODS: list[tuple[type, str, list[str], str, str]] = [
     (faust_aiokafka.Consumer, "earliest_offsets", ["self", "*partitions"], ASYNC,
      "fetch_watchdog.GuardedConsumer.refresh_log_start / perform_seek"),
     (faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", ["self", "transport"], SYNC,
-     "fetch_watchdog._ConsumerThread sets the worker consumer's fetch wait"),
+     "upstream._ConsumerThread sets the worker consumer's fetch wait"),
     (faust_aiokafka.AIOKafkaConsumerThread, "_ensure_consumer", ["self"], SYNC,
      "the fetch watchdog timer (fetch_watchdog.install) reads the aiokafka consumer through it"),
     (AIOKafkaAdminClient, "_send_request", ["self", "request", "node_id"], ASYNC,
      "group_membership.describe_group sends DescribeGroups v4 with it"),
+    (TableManager, "_update_channels", ["self"], ASYNC,
+     "upstream.PromptTableManager.on_start subscribes the tables' channels with it"),
     (AIOKafkaClient, "force_metadata_update", ["self"], AWAITABLE,
      "loki_tail, commands/replay and actuator/testing refresh consumer._client's metadata"),
 ]
@@ -121,6 +125,16 @@ CALL_SITES: list[tuple[Callable[..., Any], str, str]] = [
 ]
 
 
+def test_the_table_manager_start_we_replace_is_still_sleep_then_subscribe_then_recover() -> None:
+    # upstream.PromptTableManager.on_start is Faust's without the sleep: anything else Faust adds there
+    # would be lost by the override.
+    body = [line.strip() for line in inspect.getsource(TableManager.on_start).splitlines()[1:]]
+    body = [line for line in body if line and not line.startswith(('"""', "#"))]
+    assert body == ["await self.sleep(1.0)", "if not self.should_stop:", "await self._update_channels()",
+                    "await self.recovery.start()"], (
+        f"{FAUST} changed TableManager.on_start: re-read upstream.PromptTableManager.on_start ({body})")
+
+
 @pytest.mark.parametrize(("caller", "call", "override"), CALL_SITES, ids=[c for _, c, _ in CALL_SITES])
 def test_faust_still_calls_the_hooks_we_override(caller: Callable[..., Any], call: str, override: str) -> None:
     assert call in inspect.getsource(caller), (
@@ -149,7 +163,7 @@ async def test_faust_consumer_state_the_watchdog_and_the_liveness_timer_read(fau
     assert hasattr(c._unacked_messages, "discard"), f"{FAUST} changed Consumer._unacked_messages: {where}"
     assert isinstance(c._paused_partitions, set), f"{FAUST} changed Consumer._paused_partitions: {where}"
     thread = c._thread
-    assert isinstance(thread, fetch_watchdog._ConsumerThread), f"{FAUST}: Consumer._thread is not ours: {where}"
+    assert isinstance(thread, upstream._ConsumerThread), f"{FAUST}: Consumer._thread is not ours: {where}"
     assert thread._consumer is None  # set by on_start (see the call sites above)
     with pytest.raises(faust_aiokafka.ConsumerNotStarted):
         thread._ensure_consumer()
@@ -162,7 +176,7 @@ async def test_faust_hard_codes_the_fetch_wait_and_our_thread_overrides_it(faust
     try:
         assert theirs._fetch_max_wait_ms == 1500, (
             f"{FAUST} no longer creates its consumer with fetch_max_wait_ms=1500: it may be a setting now "
-            "(fetch_watchdog._ConsumerThread patches aiokafka's _fetch_max_wait_ms instead)")
+            "(upstream._ConsumerThread patches aiokafka's _fetch_max_wait_ms instead)")
         assert ours._fetch_max_wait_ms == faust_consumer.fetch_max_wait_ms == fetch_watchdog.FETCH_MAX_WAIT_MS
     finally:
         await theirs.stop()
@@ -249,18 +263,20 @@ def test_take_events_acknowledges_a_batch_even_when_the_agent_failed_on_it() -> 
 
 
 # ---------------------------------------------------------------------------------------------------------
-# aiokafka's record iterator, where undecodable.locate finds a bad batch.
+# aiokafka's record iterator, where upstream.locate_undecodable finds a bad batch.
 
 
 def test_the_record_iterator_holds_the_partition_and_the_batch_in_its_frame() -> None:
-    fn = getattr(PartitionRecords, undecodable._RECORD_ITERATOR, None)
-    assert fn is not None, f"{AIOKAFKA} renamed PartitionRecords._unpack_records: undecodable.locate finds nothing"
+    fn = getattr(PartitionRecords, upstream._RECORD_ITERATOR, None)
+    assert fn is not None, (
+        f"{AIOKAFKA} renamed PartitionRecords._unpack_records: upstream.locate_undecodable finds nothing")
     local_names = fn.__code__.co_varnames
     assert {"tp", "next_batch"} <= set(local_names), (
-        f"{AIOKAFKA}: PartitionRecords._unpack_records' locals are {local_names}, undecodable.locate reads "
+        f"{AIOKAFKA}: PartitionRecords._unpack_records' locals are {local_names}, upstream.locate_undecodable reads "
         "'tp' and 'next_batch' (tests/unit/test_undecodable.py checks it on real batches)")
     for attr in ("base_offset", "last_offset_delta"):
-        assert hasattr(DefaultRecordBatch, attr), f"{AIOKAFKA}: record batches lost .{attr} (undecodable.locate)"
+        assert hasattr(DefaultRecordBatch, attr), (
+            f"{AIOKAFKA}: record batches lost .{attr} (upstream.locate_undecodable)")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -320,12 +336,12 @@ async def test_the_fetch_wait_set_before_start_reaches_the_fetcher(
     kafka_bootstrap: str, unique: Callable[[str], str]
 ) -> None:
     def patch(consumer: AIOKafkaConsumer) -> None:
-        consumer._fetch_max_wait_ms = 50  # what fetch_watchdog._ConsumerThread does to Faust's consumer
+        consumer._fetch_max_wait_ms = 50  # what upstream._ConsumerThread does to Faust's consumer
 
     async with _started(kafka_bootstrap, unique("g"), patch, fetch_max_wait_ms=1500) as consumer:
         assert consumer._fetcher._fetch_max_wait_ms == 50, (
             f"{AIOKAFKA} no longer builds its fetcher from AIOKafkaConsumer._fetch_max_wait_ms at start: "
-            "fetch_watchdog._ConsumerThread's fetch wait has no effect")
+            "upstream._ConsumerThread's fetch wait has no effect")
 
 
 async def test_the_subscription_state_gives_the_fetch_position(

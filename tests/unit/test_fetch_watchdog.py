@@ -6,7 +6,7 @@ from collections import Counter
 
 from faust.types import TP
 
-from pipeline import fetch_watchdog
+from pipeline import upstream
 from pipeline.app import create_app
 from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
 
@@ -179,7 +179,7 @@ def _count_faust_acks(monkeypatch) -> list[int]:  # noqa: ANN001
         counted.append(message.offset)
         return True
 
-    monkeypatch.setattr(fetch_watchdog.faust_aiokafka.Consumer, "ack", ack)
+    monkeypatch.setattr(upstream.faust_aiokafka.Consumer, "ack", ack)
     return counted
 
 

@@ -17,7 +17,8 @@ from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.structs import ConsumerRecord
 
 from pipeline.liveness import Component
-from pipeline.undecodable import Action, Failure, Reason, Undecodable, locate
+from pipeline.undecodable import Action, Failure, Reason, Undecodable
+from pipeline.upstream import locate_undecodable as locate
 
 TP = TopicPartition("gpu.logs.kernel", 3)
 LZ4 = 0x03

@@ -11,7 +11,7 @@ import types
 
 import pytest
 
-from pipeline import fetch_watchdog
+from pipeline import upstream
 from pipeline.app import WorkerSettings, create_app
 
 
@@ -73,8 +73,8 @@ def test_worker_consumers_long_poll_briefly(monkeypatch: pytest.MonkeyPatch) -> 
     assert consumer_class.fetch_max_wait_ms == 20
     made = types.SimpleNamespace(_fetch_max_wait_ms=1500)  # Faust's hard-coded wait
     monkeypatch.setattr(
-        fetch_watchdog.faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: made
+        upstream.faust_aiokafka.AIOKafkaConsumerThread, "_create_worker_consumer", lambda self, transport: made
     )
-    thread = object.__new__(fetch_watchdog._ConsumerThread)
+    thread = object.__new__(upstream._ConsumerThread)
     thread.consumer = types.SimpleNamespace(fetch_max_wait_ms=consumer_class.fetch_max_wait_ms)
     assert thread._create_worker_consumer(None)._fetch_max_wait_ms == 20
