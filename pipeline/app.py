@@ -1,7 +1,8 @@
 """The Faust application: topics, the node-state table, the parse service and the aggregation agent.
 
-``create_app`` builds one app per worker configuration (tests build several, each with its own app
-id). The wiring lives in ``agents/``; this module only declares what they wire together.
+``declare_app`` declares one app per worker configuration (tests build several, each with its own app
+id). It only declares: the agents (``agents/``) import this module, never the other way round, and
+``agents.worker.create_app`` wires them onto a declared app.
 
 Layout on Kafka (all keyed by node name):
 
@@ -179,7 +180,7 @@ class XidflowApp:
     group: ConsumerGroupSettings = field(default_factory=ConsumerGroupSettings)
 
 
-def create_app(
+def declare_app(
     bootstrap: str | None = None,
     settings: WorkerSettings | None = None,
     topics: TopicNames | None = None,
@@ -187,7 +188,10 @@ def create_app(
     parse: ParseSettings | None = None,
     group: ConsumerGroupSettings | None = None,
 ) -> XidflowApp:
-    """Build the app and register the agents (``agents.parse``, ``agents.aggregate``) on it."""
+    """Declare the app: its topics, the node-state table and leaving the group on shutdown; no agent yet.
+
+    ``agents.worker.create_app`` wires the stages onto it.
+    """
     bootstrap = bootstrap or KafkaSettings().bootstrap_servers
     settings = settings or WorkerSettings()
     topics = topics or TopicNames()
@@ -254,23 +258,6 @@ def create_app(
         async def _leave_group(sender: faust.App, **_: object) -> None:
             leave_on_close(faust_consumer(sender))
 
-    from agents import aggregate as aggregate_agent
-    from agents import parse as parse_agent
-
-    if settings.parse:
-        parse_agent.register(xapp)
-    install_memory_release(xapp)
-    install_lag_monitor(xapp)
-    if settings.aggregate:
-        aggregate_agent.register(xapp)
-        from pipeline import fetch_watchdog
-
-        fetch_watchdog.install(
-            xapp.app,
-            {xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()},
-            fetch_max_wait_ms=settings.fetch_max_wait_ms,
-        )
-        install_aggregation_liveness(xapp)
     return xapp
 
 

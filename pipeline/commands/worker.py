@@ -44,8 +44,9 @@ def worker(
     """Run the Faust parse and aggregation worker until interrupted."""
     import faust
 
+    from agents.worker import create_app
     from pipeline import copartition
-    from pipeline.app import WorkerSettings, create_app, worker_topics
+    from pipeline.app import WorkerSettings, worker_topics
     from pipeline.kafka_admin import ensure_topics
     from pipeline.settings import ConsumerGroupSettings, TopicNames, describe_validation_error
 
@@ -135,6 +136,7 @@ WORKER_MODULES = (
     "faust.transport.drivers.aiokafka",
     "faust.tables.recovery",
     "faust.stores.memory",
+    "agents.worker",
     "agents.parse",
     "agents.aggregate",
     "pipeline.adapters",

@@ -39,8 +39,8 @@ from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
+from agents.worker import create_app
 from pipeline import fetch_watchdog, group_membership, kafka_clients, upstream
-from pipeline.app import create_app
 from pipeline.kafka_admin import ensure_topics
 
 FAUST = f"faust-streaming {metadata.version('faust-streaming')}"

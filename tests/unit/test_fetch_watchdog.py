@@ -6,8 +6,8 @@ from collections import Counter
 
 from faust.types import TP
 
+from agents.worker import create_app
 from pipeline import upstream
-from pipeline.app import create_app
 from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
 
 

@@ -11,8 +11,9 @@ import types
 
 import pytest
 
+from agents.worker import create_app
 from pipeline import upstream
-from pipeline.app import WorkerSettings, create_app
+from pipeline.app import WorkerSettings
 
 
 class FakeProducer:
