@@ -27,7 +27,8 @@ from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
 from pipeline import metrics
-from pipeline.aggregation import Aggregator, NodeState
+from pipeline.aggregation import Aggregator
+from pipeline.aggregation_state import NodeState
 from pipeline.deadletter_log import DeadLetterReporter
 from pipeline.fetch_watchdog import GuardedConsumer
 from pipeline.stream_batches import take_batches

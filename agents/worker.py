@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from agents import aggregate, parse
 from pipeline import fetch_watchdog
-from pipeline.aggregation import AggregationSettings
+from pipeline.aggregation_settings import AggregationSettings
 from pipeline.app import (
     WorkerSettings,
     XidflowApp,
@@ -17,7 +17,7 @@ from pipeline.app import (
     install_lag_monitor,
     install_memory_release,
 )
-from pipeline.parse_stage import ParseSettings
+from pipeline.parse_settings import ParseSettings
 from pipeline.settings import ConsumerGroupSettings, TopicNames
 
 

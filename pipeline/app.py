@@ -29,10 +29,11 @@ from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from pipeline import kafka_clients, upstream
-from pipeline.aggregation import AggregationSettings
+from pipeline.aggregation_settings import AggregationSettings
 from pipeline.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.group_membership import faust_consumer, leave_on_close
-from pipeline.parse_stage import PRODUCER_BATCH_BYTES, ParseSettings, ParseStage
+from pipeline.parse_settings import PRODUCER_BATCH_BYTES, ParseSettings
+from pipeline.parse_stage import ParseStage
 from pipeline.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
@@ -209,7 +210,7 @@ def declare_app(
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         # Incidents and changelog records: a full 16 KiB batch made the agent wait for acknowledgements
-        # one round trip at a time in a burst (``pipeline.parse_stage.PRODUCER_BATCH_BYTES``).
+        # one round trip at a time in a burst (``pipeline.parse_settings.PRODUCER_BATCH_BYTES``).
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
         # Both groups of the worker (Faust's and the parse stage's) use the same membership settings.
         consumer_group_instance_id=group.instance_id or None,

@@ -45,9 +45,12 @@ from pipeline.actuator.ownership import LEDGER_ANNOTATION, Ledger
 from pipeline.actuator.plan import Plan, plan_incident, plan_recovery_for
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.aggregation import AggregationSettings, Aggregator, NodeState
+from pipeline.aggregation import Aggregator
+from pipeline.aggregation_settings import AggregationSettings
+from pipeline.aggregation_state import NodeState
 from pipeline.catalog import Catalog
-from pipeline.parse_stage import ParseCore, ParseSettings
+from pipeline.parse_core import ParseCore
+from pipeline.parse_settings import ParseSettings
 from pipeline.settings import TopicNames
 from pipeline.sharedparts import PartState, observe, part_key
 from schemas.records import FabricSignal, NodeIncident, NodeRecovered

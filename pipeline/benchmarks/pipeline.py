@@ -49,7 +49,8 @@ import orjson
 
 from pipeline import kafka_clients
 from pipeline.kafka_admin import ensure_topics
-from pipeline.parse_stage import ParseSettings, ParseStage
+from pipeline.parse_settings import ParseSettings
+from pipeline.parse_stage import ParseStage
 from pipeline.settings import TopicNames
 
 ProgressFn = Callable[[str, float, float], None]

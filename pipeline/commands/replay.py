@@ -50,7 +50,8 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
     from aiokafka.errors import KafkaConnectionError
 
     from pipeline import kafka_clients, upstream
-    from pipeline.parse_stage import ParseCore, ParseSettings
+    from pipeline.parse_core import ParseCore
+    from pipeline.parse_settings import ParseSettings
     from pipeline.replay import RawLog
 
     gate = ParseCore(settings=ParseSettings(shape_check_every=0))  # the parse stage's own noise gate
@@ -292,9 +293,9 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
             raise click.ClickException(
                 f"cannot read the catalog overrides {catalog_overrides}: {exc.strerror or exc}") from None
     settings = _settings(selector)
-    from pipeline.aggregation import AggregationSettings
+    from pipeline.aggregation_settings import AggregationSettings
     from pipeline.app import WorkerSettings
-    from pipeline.parse_stage import ParseSettings
+    from pipeline.parse_settings import ParseSettings
     from pipeline.settings import TopicNames
 
     # Every setting is read (and refused with its variable named) before anything connects.

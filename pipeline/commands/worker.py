@@ -61,9 +61,9 @@ def worker(
     from aiokafka.errors import KafkaError
     from pydantic import ValidationError
 
-    from pipeline.aggregation import AggregationSettings
+    from pipeline.aggregation_settings import AggregationSettings
     from pipeline.catalog import Catalog, CatalogError
-    from pipeline.parse_stage import ParseSettings
+    from pipeline.parse_settings import ParseSettings
 
     try:  # every setting is checked before anything connects: a bad value changes nothing
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})

@@ -342,7 +342,8 @@ async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_g
 ) -> None:
     """A batch whose bytes changed on the broker's disk after its CRC was written (real corruption, read
     through the real broker): the stage re-fetches it once, then dead-letters its offsets and reads on."""
-    from pipeline.parse_stage import ParseSettings, ParseStage
+    from pipeline.parse_settings import ParseSettings
+    from pipeline.parse_stage import ParseStage
 
     cluster = private_kafka(1)
     bootstrap = cluster.bootstrap

@@ -8,7 +8,9 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.aggregation import AggregationSettings, Aggregator, NodeState, group_key
+from pipeline.aggregation import Aggregator, group_key
+from pipeline.aggregation_settings import AggregationSettings
+from pipeline.aggregation_state import NodeState
 from schemas.records import (
     Action,
     FaultEvent,

@@ -18,7 +18,7 @@ from pipeline.actuator.settings import ActuatorSettings
 from pipeline.aggregation import Aggregator
 from pipeline.catalog import Catalog
 from pipeline.detect import Detector, classify_lines
-from pipeline.parse_stage import health_event
+from pipeline.parse_core import health_event
 from schemas.records import Action, FaultKind, HealthCheckResult, NodeIncident, Severity
 
 REPO = Path(__file__).resolve().parents[2]

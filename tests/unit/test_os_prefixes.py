@@ -16,7 +16,8 @@ import pytest
 
 from pipeline.adapters import decode_record
 from pipeline.detect import Detector
-from pipeline.parse_stage import ParseCore, ParseSettings
+from pipeline.parse_core import ParseCore
+from pipeline.parse_settings import ParseSettings
 from pipeline.settings import TopicNames
 from schemas.records import Action, FaultKind, SignalGrade
 

@@ -10,7 +10,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.detect import prefilter
-from pipeline.parse_stage import ParseCore, ParseSettings
+from pipeline.parse_core import ParseCore
+from pipeline.parse_settings import ParseSettings
 from pipeline.settings import TopicNames
 from schemas.records import DeadLetterCode, FaultKind, HealthCheckResult
 
