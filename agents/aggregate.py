@@ -1,7 +1,7 @@
 """Aggregation agent: fault events (and ticks) -> per-node state in a Faust table -> incidents.
 
-Thin: the rules are ``pipeline.aggregation.Aggregator``. The agent takes events in batches
-(``pipeline.stream_batches.take_batches``: what arrived while it worked on the previous one),
+Thin: the rules are ``pipeline.aggregate.aggregator.Aggregator``. The agent takes events in batches
+(``pipeline.aggregate.stream_batches.take_batches``: what arrived while it worked on the previous one),
 applies them node by node in offset order, sends the incidents, waits until the
 broker has them, and only then writes each touched node's state to the table (one changelog record
 per node per batch, not one per event; ``NodeStateTable.write``). The batch is acknowledged only
@@ -11,7 +11,7 @@ way from a fault event to its incident, whatever the batch's size, and at most o
 on their way at a time. Incidents, dead letters and states go straight to the producer and are
 acknowledged together. A batch the agent does not finish (or whose states the changelog did not
 take) is handed
-back to the consumer (``pipeline.fetch_watchdog.GuardedConsumer.unprocessed``): never committed
+back to the consumer (``pipeline.kafka.fetch_watchdog.GuardedConsumer.unprocessed``): never committed
 past, read again. A crash therefore either replays events whose state was not written (the same incidents,
 same ids and revisions, are sent again: at-least-once) or events whose state was written (the
 state's last applied position makes the replay a no-op). No incident is lost behind a state that
@@ -26,12 +26,12 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
-from pipeline import metrics
-from pipeline.aggregation import Aggregator
-from pipeline.aggregation_state import NodeState
-from pipeline.deadletter_log import DeadLetterReporter
-from pipeline.fetch_watchdog import GuardedConsumer
-from pipeline.stream_batches import take_batches
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.aggregate.state import NodeState
+from pipeline.aggregate.stream_batches import take_batches
+from pipeline.kafka.fetch_watchdog import GuardedConsumer
+from pipeline.runtime import metrics
+from pipeline.runtime.deadletter_log import DeadLetterReporter
 from schemas.records import DeadLetter, DeadLetterCode, FabricSignal, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
-"""Parse agent: hosts the batch parse stage (``pipeline.parse_stage``) as a service of the Faust app.
+"""Parse agent: hosts the batch parse stage (``pipeline.detection.parse_stage``) as a service of the Faust app.
 
-Not a per-event Faust agent on purpose: see ``pipeline.parse_stage`` for why (speed), and how it keeps
+Not a per-event Faust agent on purpose: see ``pipeline.detection.parse_stage`` for why (speed), and how it keeps
 Faust's guarantees (commit only after outputs are acknowledged).
 """
 
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pipeline.parse_stage import ParseStage
+from pipeline.detection.parse_stage import ParseStage
 
 if TYPE_CHECKING:
     from pipeline.app import XidflowApp

@@ -7,8 +7,7 @@ stages, so one worker can run both (the default) or either one alone.
 from __future__ import annotations
 
 from agents import aggregate, parse
-from pipeline import fetch_watchdog
-from pipeline.aggregation_settings import AggregationSettings
+from pipeline.aggregate.settings import AggregationSettings
 from pipeline.app import (
     WorkerSettings,
     XidflowApp,
@@ -17,8 +16,9 @@ from pipeline.app import (
     install_lag_monitor,
     install_memory_release,
 )
-from pipeline.parse_settings import ParseSettings
-from pipeline.settings import ConsumerGroupSettings, TopicNames
+from pipeline.detection.parse_settings import ParseSettings
+from pipeline.kafka import fetch_watchdog
+from pipeline.runtime.settings import ConsumerGroupSettings, TopicNames
 
 
 def create_app(

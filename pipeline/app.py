@@ -6,7 +6,7 @@ id). It only declares: the agents (``agents/``) import this module, never the ot
 
 Layout on Kafka (all keyed by node name):
 
-- raw inputs (``TopicNames.raw_inputs``) -> parse service (``pipeline.parse_stage``, aiokafka batch
+- raw inputs (``TopicNames.raw_inputs``) -> parse service (``pipeline.detection.parse_stage``, aiokafka batch
   consumer in its own group ``<app_id>-parse``) -> ``fault_events`` and ``deadletter``.
 - ``fault_events`` + ``<app_id>-ticks`` (internal, same partition count) -> aggregation agent,
   state in the ``node-state`` table (changelog ``<app_id>-node-state-changelog``) -> ``incidents``.
@@ -28,13 +28,14 @@ import mode
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import kafka_clients, upstream
-from pipeline.aggregation_settings import AggregationSettings
-from pipeline.fetch_watchdog import FETCH_MAX_WAIT_MS
-from pipeline.group_membership import faust_consumer, leave_on_close
-from pipeline.parse_settings import PRODUCER_BATCH_BYTES, ParseSettings
-from pipeline.parse_stage import ParseStage
-from pipeline.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
+from pipeline.aggregate.settings import AggregationSettings
+from pipeline.detection.parse_settings import PRODUCER_BATCH_BYTES, ParseSettings
+from pipeline.detection.parse_stage import ParseStage
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka import upstream
+from pipeline.kafka.fetch_watchdog import FETCH_MAX_WAIT_MS
+from pipeline.kafka.membership import faust_consumer, leave_on_close
+from pipeline.runtime.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
 
@@ -210,7 +211,7 @@ def declare_app(
         consumer_auto_offset_reset="earliest",
         producer_acks=-1,
         # Incidents and changelog records: a full 16 KiB batch made the agent wait for acknowledgements
-        # one round trip at a time in a burst (``pipeline.parse_settings.PRODUCER_BATCH_BYTES``).
+        # one round trip at a time in a burst (``pipeline.detection.parse_settings.PRODUCER_BATCH_BYTES``).
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
         # Both groups of the worker (Faust's and the parse stage's) use the same membership settings.
         consumer_group_instance_id=group.instance_id or None,
@@ -254,7 +255,7 @@ def declare_app(
         group=group,
     )
     if group.leave_on_shutdown:
-        # Sent before the consumer stops (pipeline.group_membership: leave on SIGTERM, not on a crash).
+        # Sent before the consumer stops (pipeline.kafka.membership: leave on SIGTERM, not on a crash).
         @app.on_before_shutdown.connect
         async def _leave_group(sender: faust.App, **_: object) -> None:
             leave_on_close(faust_consumer(sender))
@@ -268,7 +269,7 @@ def parse_group_id(app_id: str) -> str:
 
 
 def consumer_groups(xapp: XidflowApp) -> dict[str, list[str]]:
-    """Each consumer group this worker runs -> the topics it consumes (what ``pipeline.lag`` reports)."""
+    """Each consumer group this worker runs -> the topics it consumes (what ``pipeline.kafka.lag`` reports)."""
     groups: dict[str, list[str]] = {}
     if xapp.settings.aggregate:
         groups[xapp.app.conf.id] = [xapp.fault_events.get_topic_name(), xapp.ticks.get_topic_name()]
@@ -278,8 +279,8 @@ def consumer_groups(xapp: XidflowApp) -> dict[str, list[str]]:
 
 
 def install_lag_monitor(xapp: XidflowApp) -> None:
-    """Report the consumer lag of the worker's groups on a timer (``pipeline.lag``), batches or not."""
-    from pipeline.lag import LagMonitor
+    """Report the consumer lag of the worker's groups on a timer (``pipeline.kafka.lag``), batches or not."""
+    from pipeline.kafka.lag import LagMonitor
 
     monitor = LagMonitor(consumer_groups(xapp), xapp.bootstrap)
 
@@ -294,9 +295,8 @@ def install_lag_monitor(xapp: XidflowApp) -> None:
 
 
 def install_memory_release(xapp: XidflowApp, interval_s: float = 30.0) -> None:
-    """Give memory freed after a burst back to the system every ``interval_s`` (``pipeline.allocator``)."""
-    from pipeline import allocator
-
+    """Give memory freed after a burst back to the system every ``interval_s`` (``pipeline.runtime.allocator``)."""
+    from pipeline.runtime import allocator
     @xapp.app.timer(interval=interval_s)
     async def release_memory() -> None:
         allocator.trim()
@@ -308,7 +308,7 @@ def install_aggregation_liveness(xapp: XidflowApp, interval_s: float = 5.0) -> N
     Progress: the offsets Faust delivered to the agent moved, or every assigned fault-event
     partition is read to its end. The timer itself is the beat: a blocked event loop stops it.
     """
-    from pipeline.liveness import LIVENESS
+    from pipeline.runtime.liveness import LIVENESS
 
     topic = xapp.fault_events.get_topic_name()
     live = LIVENESS.component(f"aggregate:{xapp.settings.app_id}", xapp.settings.stall_after_s)
@@ -356,9 +356,8 @@ class ParseService(mode.Service):
         # The stage never raises on input (a record's failure is its dead letter); what is left is a
         # connection-level failure, retried with a growing pause. While it lasts the stage commits
         # nothing, and /healthz says so after ``stall_after_s``.
-        # A batch it cannot decode is not such a failure: pipeline.undecodable holds or skips it.
-        from pipeline import metrics
-
+        # A batch it cannot decode is not such a failure: pipeline.kafka.undecodable holds or skips it.
+        from pipeline.runtime import metrics
         pause, attempt = 1.0, 0
         while not self.should_stop:
             started = asyncio.get_running_loop().time()

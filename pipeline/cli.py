@@ -63,7 +63,7 @@ class LazyGroup(click.Group):
             from pydantic_settings import SettingsError
 
             if isinstance(exc, ValidationError):
-                from pipeline.settings import describe_validation_error
+                from pipeline.runtime.settings import describe_validation_error
 
                 raise click.ClickException(describe_validation_error(exc)) from None
             if isinstance(exc, SettingsError):  # unparsable JSON in a variable; the value is not shown
@@ -83,7 +83,7 @@ class LazyGroup(click.Group):
 @click.version_option(package_name="xidflow")
 def cli() -> None:
     """xidflow: find NVIDIA GPU faults in log streams and remediate the nodes on Kubernetes."""
-    from pipeline.envcheck import warnings
+    from pipeline.runtime.envcheck import warnings
 
     for line in warnings():  # an unknown XIDFLOW_* variable (a typo) would otherwise be ignored silently
         click.echo(line, err=True)

@@ -11,7 +11,7 @@ attempt caps and the breaker window behave as they would have:
 3. ``plan_incident`` (policy selection, the ``quarantine`` macro, opt-out, attempt cap, escalation)
    -> steps; ``decide_admissions`` (the circuit breaker) before the first step that takes a node out
    of scheduling; ``plan_recovery_for`` on a recovery.
-4. the aggregation's fabric signals -> ``pipeline.sharedparts.observe`` per topology label value the
+4. the aggregation's fabric signals -> ``pipeline.aggregate.sharedparts.observe`` per topology label value the
    policy names (``sharedParts``), with the cluster's node labels: the shared parts that would have
    been blamed instead of their nodes.
 
@@ -45,14 +45,14 @@ from pipeline.actuator.ownership import LEDGER_ANNOTATION, Ledger
 from pipeline.actuator.plan import Plan, plan_incident, plan_recovery_for
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.aggregation import Aggregator
-from pipeline.aggregation_settings import AggregationSettings
-from pipeline.aggregation_state import NodeState
-from pipeline.catalog import Catalog
-from pipeline.parse_core import ParseCore
-from pipeline.parse_settings import ParseSettings
-from pipeline.settings import TopicNames
-from pipeline.sharedparts import PartState, observe, part_key
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.aggregate.settings import AggregationSettings
+from pipeline.aggregate.sharedparts import PartState, observe, part_key
+from pipeline.aggregate.state import NodeState
+from pipeline.detection.catalog import Catalog
+from pipeline.detection.parse_core import ParseCore
+from pipeline.detection.parse_settings import ParseSettings
+from pipeline.runtime.settings import TopicNames
 from schemas.records import FabricSignal, NodeIncident, NodeRecovered
 
 DEFAULT_TICK_INTERVAL_S = 10.0
@@ -217,7 +217,7 @@ class Simulation:
     first_ts: float | None = None
     last_ts: float | None = None
     parts: dict[str, PartState] = field(default_factory=dict)
-    """Shared-part correlation by ``label=value`` (``pipeline.sharedparts``)."""
+    """Shared-part correlation by ``label=value`` (``pipeline.aggregate.sharedparts``)."""
 
 
 # -- the simulated fleet -------------------------------------------------------------------------------------
@@ -374,7 +374,7 @@ class _Actuator:
 # -- the run -----------------------------------------------------------------------------------------------------
 def simulate(records: Iterable[RawLog], config: ReplayConfig, window: Window) -> Simulation:
     """Replay ``records`` (in timestamp order, each node's in offset order) through one policy."""
-    from pipeline.detect import Detector
+    from pipeline.detection.detector import Detector
 
     records = list(records)
     sim = Simulation()

@@ -241,7 +241,7 @@ class FabricSignal(Record):
 
     Emitted by the aggregation on ``gpu.fabric.signals``, keyed by node, at most once per node per
     ``debounce_window_s`` of event time while the faults go on: the input of the shared-part
-    correlation (``pipeline.sharedparts``), which groups nodes by the topology labels the policy
+    correlation (``pipeline.aggregate.sharedparts``), which groups nodes by the topology labels the policy
     names. It says nothing about the node alone; the node's own incidents are separate records.
     """
 

@@ -7,7 +7,6 @@ import importlib
 import logging
 from typing import Any
 
-from pipeline import kafka_clients
 from pipeline.actuator import signing
 from pipeline.actuator.audit import Auditor, NotifierLike, default_worker_id, make_record
 from pipeline.actuator.breaker import Admission, Breaker, DrainSlots
@@ -21,8 +20,9 @@ from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.reconciler import Reconciler
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.sharedparts import SharedParts
-from pipeline.lag import LagMonitor
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.lag import LagMonitor
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import FabricSignal, Outcome
 
 log = logging.getLogger("xidflow.actuator")

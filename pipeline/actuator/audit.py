@@ -15,9 +15,10 @@ from typing import Any, Protocol
 
 from aiokafka import AIOKafkaProducer
 
-from pipeline import kafka_clients, metrics
 from pipeline.actuator.fleetmetrics import remediation_action
 from pipeline.actuator.workload import DETAILS_KEY as WORKLOAD_KEY
+from pipeline.kafka import clients as kafka_clients
+from pipeline.runtime import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
 log = logging.getLogger("xidflow.actuator.audit")

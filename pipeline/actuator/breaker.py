@@ -17,9 +17,9 @@ from typing import Any, TypeVar
 
 import orjson
 
-from pipeline import metrics
 from pipeline.actuator.kube import API_PRIORITY, AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.ownership import CORDON, Ledger, is_shared_part_effect, taint_effect_key
+from pipeline.runtime import metrics
 
 T = TypeVar("T")
 STATE_KEY = "state"
@@ -104,7 +104,7 @@ def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
     """Whether xidflow's own cordon or taint is on this Node now (its ledger owns it and it is in place).
 
     A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node, nor a
-    shared-part taint (the part behind the node is blamed, not the node: ``pipeline.sharedparts``).
+    shared-part taint (the part behind the node is blamed, not the node: ``pipeline.aggregate.sharedparts``).
     """
     meta, spec = node.get("metadata") or {}, node.get("spec") or {}
     ledger = Ledger.from_annotations(meta.get("annotations"))

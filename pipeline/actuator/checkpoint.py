@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import Action, FaultKind, NodeIncident
 
 REQUESTED = "xidflow.dev/CheckpointRequested"

@@ -15,13 +15,13 @@ import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from pipeline import metrics
 from pipeline.actuator import checkpoint, effects
 from pipeline.actuator.checkpoint import Progress, Wait
 from pipeline.actuator.effects import NodeChange
 from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.workload import uses_gpu
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
+from pipeline.runtime import metrics
 
 if TYPE_CHECKING:
     from pipeline.actuator.actions.base import StepContext, StepLike

@@ -22,11 +22,12 @@ import orjson
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, ConsumerRebalanceListener, TopicPartition
 from pydantic import ValidationError
 
-from pipeline import kafka_clients, metrics
 from pipeline.actuator import signing
-from pipeline.deadletter_log import DeadLetterReporter
-from pipeline.group_membership import leave_on_close
-from pipeline.settings import ConsumerGroupSettings
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.membership import leave_on_close
+from pipeline.runtime import metrics
+from pipeline.runtime.deadletter_log import DeadLetterReporter
+from pipeline.runtime.settings import ConsumerGroupSettings
 from schemas.records import (
     ACTUATOR_INPUT,
     DeadLetter,
@@ -195,7 +196,7 @@ class ActuatorConsumer:
             task.cancel()
         await asyncio.gather(*self._workers.values(), return_exceptions=True)
         if self.group.leave_on_shutdown:
-            leave_on_close(self.consumer)  # orderly stop: partitions move at once (pipeline.group_membership)
+            leave_on_close(self.consumer)  # orderly stop: partitions move at once (pipeline.kafka.membership)
         await self.consumer.stop()
         await self.producer.stop()
 

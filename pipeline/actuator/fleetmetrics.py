@@ -24,13 +24,13 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from pipeline import metrics
 from pipeline.actuator import actions
 from pipeline.actuator.actions.base import Kind
 from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
 from pipeline.actuator.breaker import Breaker, admitted_within, quarantined_by_xidflow, read_json_configmap
 from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
 from pipeline.actuator.nodeview import NodeView
+from pipeline.runtime import metrics
 from schemas.records import Outcome
 
 log = logging.getLogger("xidflow.actuator.metrics")

@@ -30,7 +30,7 @@ import orjson
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline import metrics
+from pipeline.runtime import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, Severity
 
 if TYPE_CHECKING:  # aiohttp is imported when a webhook is delivered to: not at the actuator's start
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # aiohttp is imported when a webhook is delivered to: not at 
 
 log = logging.getLogger(__name__)
 
-NOTIFICATIONS = metrics.NOTIFICATIONS  # defined with the actuator's other metrics (pipeline.metrics)
+NOTIFICATIONS = metrics.NOTIFICATIONS  # defined with the actuator's other metrics (pipeline.runtime.metrics)
 NOTIFICATION_ATTEMPTS = metrics.NOTIFICATION_ATTEMPTS
 
 Notifiable = RemediationRecord | NodeIncident

@@ -18,8 +18,8 @@ from pipeline.actuator.ownership import CORDON, Ledger, request_flow_key
 from pipeline.actuator.policy import ActionSpec, PolicySet, Rule
 from pipeline.actuator.problems import Problem, classify_incident
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.catalog import Catalog
-from pipeline.sharedparts import blamed_on_part
+from pipeline.aggregate.sharedparts import blamed_on_part
+from pipeline.detection.catalog import Catalog
 from schemas.records import Action, NodeIncident, NodeRecovered, RescueActionRequest
 
 __all__ = [

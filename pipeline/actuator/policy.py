@@ -22,7 +22,7 @@ from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
 from pipeline.actuator.conditions import ConditionStatus
 from pipeline.actuator.problems import OWN_CONDITION_TYPES
 from pipeline.actuator.settings import is_taint_key
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import FaultKind
 
 API_GROUP = "xidflow.dev"
@@ -228,7 +228,7 @@ def default_part_name(label: str) -> str:
 
 class SharedPartRule(_Model):
     """Blame a shared part: fabric-class faults from ``minNodes`` nodes sharing a value of ``label`` within
-    ``window`` seconds are one incident about the part (``pipeline.sharedparts``). What happens then: a
+    ``window`` seconds are one incident about the part (``pipeline.aggregate.sharedparts``). What happens then: a
     taint ``xidflow.dev/shared-<name>=<value>`` on each of those nodes (``taintEffect``, ``None`` for no
     taint), the node condition ``XidflowSharedPart`` naming the part (``condition``), one Warning Event and
     one audit record (which goes to the notification webhooks); never a cordon, drain or reboot, and the

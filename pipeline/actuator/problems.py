@@ -15,7 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import FaultKind, NodeIncident
 
 

@@ -2,7 +2,7 @@
 
 Why here and not in the worker: the worker has no Kubernetes access and no policy; the actuator
 watches every GPU node (their labels) and holds the policy, so it resolves which part a node sits
-behind. The pure correlation is ``pipeline.sharedparts.observe``; its state for every label value
+behind. The pure correlation is ``pipeline.aggregate.sharedparts.observe``; its state for every label value
 lives in one ConfigMap (``shared_parts_configmap``) written with its resourceVersion, the same
 optimistic read-modify-write as the circuit breaker: the replicas that own different nodes'
 partitions serialise their updates of one part there, and exactly one of them opens its incident.
@@ -41,7 +41,7 @@ from pipeline.actuator.ownership import SHARED_PART_TAINT_PREFIX, Ledger
 from pipeline.actuator.policy import SharedPartRule
 from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.sharedparts import PartState, observe, part_key
+from pipeline.aggregate.sharedparts import PartState, observe, part_key
 from schemas.records import FabricSignal, Outcome, SharedPartIncident, stable_id
 
 log = logging.getLogger("xidflow.actuator.sharedparts")

@@ -14,8 +14,9 @@ from typing import Any
 
 from aiokafka import TopicPartition
 
-from pipeline import kafka_clients, upstream
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka import upstream
 from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
 
 XID79_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

@@ -10,7 +10,7 @@ saw the taint - the moment the line was handed to the producer (same clock, same
 - ``burst``: every node's line at once, nothing disturbed.
 - ``failover_actuator``: the same burst; the working process of one of the two actuator replicas is
   SIGKILLed right after the burst is produced: the child of ``xidflow actuator``'s warm supervisor
-  (``pipeline.supervisor``), which forks a replacement at once with the same identity.
+  (``pipeline.runtime.supervisor``), which forks a replacement at once with the same identity.
 - ``failover_worker``: the same with the worker's working child SIGKILLed.
 - ``failover_actuator_process`` / ``failover_worker_process``: the whole ``xidflow`` process (the
   supervisor, and its child with it) SIGKILLed and started again at once with the same identity,
@@ -45,14 +45,14 @@ from typing import Any
 import orjson
 from aiokafka.errors import KafkaError
 
-from pipeline import kafka_clients
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.procstat import ProcSample
-from pipeline.group_membership import GroupView, describe_group
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.membership import GroupView, describe_group
+from pipeline.runtime.settings import TopicNames
 
 FATAL_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 TAINT_KEY = "nvidia.com/gpu-fault"
@@ -106,8 +106,8 @@ class Proc:
     """Killed for good (the lost-replica scenarios): no longer expected to run or to hold partitions."""
 
     def work_pid(self) -> int:
-        """The pid that does the work: the supervisor's child (``pipeline.supervisor``), else the process."""
-        from pipeline.supervisor import child_pids
+        """The pid that does the work: the supervisor's child (``pipeline.runtime.supervisor``), else the process."""
+        from pipeline.runtime.supervisor import child_pids
 
         assert self.proc is not None
         children = child_pids(self.proc.pid)
@@ -683,7 +683,7 @@ async def lose(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
     ``takeover_s``: kill to every group Stable with the survivors holding the partitions; with
     ``session_timeout_s`` (the broker expires the dead member only after it) it bounds the figure.
     """
-    from pipeline.settings import ConsumerGroupSettings
+    from pipeline.runtime.settings import ConsumerGroupSettings
 
     await asyncio.sleep(delay_s)
     p = world.procs[proc]

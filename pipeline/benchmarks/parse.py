@@ -1,4 +1,4 @@
-"""Pure parse throughput: ``prefilter`` + :class:`~pipeline.detect.Detector` on a mixed kernel stream.
+"""Pure parse throughput: ``prefilter`` + :class:`~pipeline.detection.detector.Detector` on a mixed kernel stream.
 
 Run ``python -m pipeline.benchmarks.parse [--lines N] [--fault-ratio R]``. Single thread, one core.
 
@@ -17,7 +17,7 @@ import random
 import time
 from datetime import UTC, datetime
 
-from pipeline.detect import Detector, prefilter
+from pipeline.detection.detector import Detector, prefilter
 from schemas.records import LogRecord, Source
 
 _NOISE_TEMPLATES = (

@@ -47,11 +47,11 @@ from typing import Any
 
 import orjson
 
-from pipeline import kafka_clients
-from pipeline.kafka_admin import ensure_topics
-from pipeline.parse_settings import ParseSettings
-from pipeline.parse_stage import ParseStage
-from pipeline.settings import TopicNames
+from pipeline.detection.parse_settings import ParseSettings
+from pipeline.detection.parse_stage import ParseStage
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import TopicNames
 
 ProgressFn = Callable[[str, float, float], None]
 """progress(task, completed, total): how a section reports progress (the CLI draws it with rich)."""

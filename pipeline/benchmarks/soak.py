@@ -35,10 +35,10 @@ from typing import Any
 
 import orjson
 
-from pipeline import kafka_clients
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import TopicNames
 
 REPO = Path(__file__).resolve().parents[2]
 XID = "NVRM: Xid (PCI:0000:{bus}:00): {code}, pid=1234, name=python3, {text}"

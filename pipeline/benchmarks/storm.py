@@ -20,8 +20,8 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, publish
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 
 
 async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:

@@ -13,7 +13,7 @@ import signal
 import click
 from pydantic import ValidationError
 
-from pipeline.logconfig import log_options
+from pipeline.runtime.logconfig import log_options
 
 
 @click.command("actuator")
@@ -26,7 +26,7 @@ from pipeline.logconfig import log_options
               help="Serve the decision API (XIDFLOW_API_*); default: when API tokens or a token file are configured.")
 @click.option("--supervise/--no-supervise", default=None,
               help="Run the work in a child that a warm supervisor replaces at once when it dies "
-                   "(pipeline.supervisor). [env XIDFLOW_SUPERVISOR_ENABLED, default on]")
+                   "(pipeline.runtime.supervisor). [env XIDFLOW_SUPERVISOR_ENABLED, default on]")
 def actuator(
     dry_run: bool | None,
     manual_only: bool | None,
@@ -44,11 +44,11 @@ def actuator(
     from pipeline.actuator.jobtemplates import JobTemplateError, check_operator_templates
     from pipeline.actuator.policy import PolicyError, load_yaml_file
     from pipeline.actuator.settings import ActuatorSettings
-    from pipeline.catalog import Catalog, CatalogError
     from pipeline.commands.status import resolve_kubeconfig, sentences
-    from pipeline.heartbeat import with_liveness
-    from pipeline.metrics import serve_metrics
-    from pipeline.settings import KafkaSettings, describe_validation_error
+    from pipeline.detection.catalog import Catalog, CatalogError
+    from pipeline.runtime.heartbeat import with_liveness
+    from pipeline.runtime.metrics import serve_metrics
+    from pipeline.runtime.settings import KafkaSettings, describe_validation_error
 
     overrides = {
         k: v
@@ -121,15 +121,14 @@ def actuator(
             except api_errors as exc:
                 raise click.ClickException(str(exc)) from None
 
-    from pipeline import supervisor
-
+    from pipeline.runtime import supervisor
     supervisor.preload(ACTUATOR_MODULES)
     raise SystemExit(supervisor.supervise(work, "actuator", supervise))
 
 
 ACTUATOR_MODULES = (
     # Imported by the replica only once it runs: loaded by the supervisor before the fork, so a
-    # replacement child does not pay for them (pipeline.supervisor).
+    # replacement child does not pay for them (pipeline.runtime.supervisor).
     "aiokafka",
     "kubernetes.client",
     "kubernetes.client.api.core_v1_api",  # with its ~300 model modules: half a second of an idle core

@@ -14,9 +14,9 @@ from typing import IO
 import click
 import orjson
 
-from pipeline.catalog import Catalog, CatalogError
 from pipeline.commands.output import Column, emit
-from pipeline.detect import classify_lines
+from pipeline.detection.catalog import Catalog, CatalogError
+from pipeline.detection.detector import classify_lines
 from schemas.records import FaultEvent
 
 

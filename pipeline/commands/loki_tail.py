@@ -9,8 +9,8 @@ from pathlib import Path
 
 import click
 
-from pipeline.logconfig import log_options
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.runtime.logconfig import log_options
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 
 
 @click.command("loki-tail")
@@ -66,7 +66,7 @@ def loki_tail(
     """Read Loki's /loki/api/v1/tail websocket and produce each entry to Kafka keyed by its node label."""
     import os
 
-    from pipeline.loki_tail import LokiAuth, LokiRequestRejected, LokiTailBridge
+    from pipeline.ingest.loki_tail import LokiAuth, LokiRequestRejected, LokiTailBridge
 
     if verbose:
         logging.getLogger().setLevel(logging.DEBUG)
@@ -95,9 +95,9 @@ def loki_tail(
         raise click.BadParameter(str(exc), param_hint="--loki-url") from exc
 
     async def main() -> None:
-        from pipeline import metrics
-        from pipeline.heartbeat import with_liveness
-        from pipeline.loki_tail import STAGE
+        from pipeline.ingest.loki_tail import STAGE
+        from pipeline.runtime import metrics
+        from pipeline.runtime.heartbeat import with_liveness
 
         metrics.serve_metrics(
             component=metrics.LOKI_TAIL, values={metrics.LOKI_TAIL_DEADLETTERS: metrics.deadletter_label_values(STAGE)}

@@ -9,8 +9,8 @@ from typing import Any
 
 import click
 
-from pipeline.logconfig import log_options
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.runtime.logconfig import log_options
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 
 EXIT_NO_GPU = 2
 EXIT_CHECK_FAILED = 1
@@ -71,10 +71,10 @@ def probe(
     """Check GPU count, NVLink, ECC, remapped rows and driver responsiveness through NVML."""
     nvml = load_nvml()
     if not once:
-        from pipeline.metrics import serve_metrics
+        from pipeline.runtime.metrics import serve_metrics
 
         serve_metrics(component="probe")
-    from pipeline.heartbeat import with_liveness
+    from pipeline.runtime.heartbeat import with_liveness
 
     code = asyncio.run(with_liveness(
         probe_loop(
@@ -107,7 +107,7 @@ async def probe_loop(
 ) -> int:
     """Run check rounds on an initialised NVML until stopped (or once); Kafka when a bootstrap is given,
     else JSON lines on stdout. Returns the exit code: 1 when ``once`` and a check failed."""
-    from pipeline.probe import DriverCall, read_boot_id, run_checks
+    from pipeline.ingest.probe import DriverCall, read_boot_id, run_checks
 
     call = DriverCall()
     if stop is None:
@@ -117,8 +117,7 @@ async def probe_loop(
             loop.add_signal_handler(sig, stop.set)
     producer = None
     if bootstrap_servers is not None:
-        from pipeline import kafka_clients
-
+        from pipeline.kafka import clients as kafka_clients
         producer = kafka_clients.producer(bootstrap=bootstrap_servers, acks="all", enable_idempotence=True)
         await producer.start()
     failed_any = False

@@ -49,9 +49,10 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
     from aiokafka import TopicPartition
     from aiokafka.errors import KafkaConnectionError
 
-    from pipeline import kafka_clients, upstream
-    from pipeline.parse_core import ParseCore
-    from pipeline.parse_settings import ParseSettings
+    from pipeline.detection.parse_core import ParseCore
+    from pipeline.detection.parse_settings import ParseSettings
+    from pipeline.kafka import clients as kafka_clients
+    from pipeline.kafka import upstream
     from pipeline.replay import RawLog
 
     gate = ParseCore(settings=ParseSettings(shape_check_every=0))  # the parse stage's own noise gate
@@ -273,8 +274,8 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
     dry-run with the records' timestamps as the clock, and changes nothing anywhere.
     """
     from pipeline import replay as core
-    from pipeline.catalog import Catalog, CatalogError
     from pipeline.commands.status import _settings, sentences
+    from pipeline.detection.catalog import Catalog, CatalogError
 
     now = time.time()
     try:
@@ -293,10 +294,10 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
             raise click.ClickException(
                 f"cannot read the catalog overrides {catalog_overrides}: {exc.strerror or exc}") from None
     settings = _settings(selector)
-    from pipeline.aggregation_settings import AggregationSettings
+    from pipeline.aggregate.settings import AggregationSettings
     from pipeline.app import WorkerSettings
-    from pipeline.parse_settings import ParseSettings
-    from pipeline.settings import TopicNames
+    from pipeline.detection.parse_settings import ParseSettings
+    from pipeline.runtime.settings import TopicNames
 
     # Every setting is read (and refused with its variable named) before anything connects.
     topics = TopicNames()

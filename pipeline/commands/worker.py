@@ -6,7 +6,7 @@ import asyncio
 
 import click
 
-from pipeline.logconfig import log_options
+from pipeline.runtime.logconfig import log_options
 
 
 @click.command("worker")
@@ -28,7 +28,7 @@ from pipeline.logconfig import log_options
               help="Static group member id (KIP-345). [env XIDFLOW_GROUP_INSTANCE_ID, else POD_NAME]")
 @click.option("--supervise/--no-supervise", default=None,
               help="Run the work in a child that a warm supervisor replaces at once when it dies "
-                   "(pipeline.supervisor). [env XIDFLOW_SUPERVISOR_ENABLED, default on]")
+                   "(pipeline.runtime.supervisor). [env XIDFLOW_SUPERVISOR_ENABLED, default on]")
 @log_options
 def worker(
     bootstrap: str,
@@ -45,10 +45,10 @@ def worker(
     import faust
 
     from agents.worker import create_app
-    from pipeline import copartition
+    from pipeline.aggregate import copartition
     from pipeline.app import WorkerSettings, worker_topics
-    from pipeline.kafka_admin import ensure_topics
-    from pipeline.settings import ConsumerGroupSettings, TopicNames, describe_validation_error
+    from pipeline.kafka.admin import ensure_topics
+    from pipeline.runtime.settings import ConsumerGroupSettings, TopicNames, describe_validation_error
 
     overrides = {
         "app_id": app_id,
@@ -61,9 +61,9 @@ def worker(
     from aiokafka.errors import KafkaError
     from pydantic import ValidationError
 
-    from pipeline.aggregation_settings import AggregationSettings
-    from pipeline.catalog import Catalog, CatalogError
-    from pipeline.parse_settings import ParseSettings
+    from pipeline.aggregate.settings import AggregationSettings
+    from pipeline.detection.catalog import Catalog, CatalogError
+    from pipeline.detection.parse_settings import ParseSettings
 
     try:  # every setting is checked before anything connects: a bad value changes nothing
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -78,7 +78,7 @@ def worker(
         raise click.ClickException(f"invalid catalog override: {exc}") from exc
     names = worker_topics(settings.app_id, topics)
     # The fault-event topic's partition count decides the ticks topic's and the table's: they must be
-    # co-partitioned, and the worker refuses to run when they are not (pipeline.copartition).
+    # co-partitioned, and the worker refuses to run when they are not (pipeline.aggregate.copartition).
     shared = copartition.copartitioned_topics(settings.app_id, topics.name("fault_events"))
 
     async def prepare_topics() -> int:
@@ -96,10 +96,10 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
-    from pipeline import allocator, metrics, supervisor
-    from pipeline.heartbeat import install_faust
-    from pipeline.logconfig import current, dict_config
-    from pipeline.metrics import serve_metrics
+    from pipeline.runtime import allocator, metrics, supervisor
+    from pipeline.runtime.heartbeat import install_faust
+    from pipeline.runtime.logconfig import current, dict_config
+    from pipeline.runtime.metrics import serve_metrics
 
     supervisor.preload(WORKER_MODULES)
     level, fmt = current()
@@ -118,7 +118,7 @@ def worker(
 
 WORKER_MODULES = (
     # What the worker imports only once it runs: imported by the supervisor before the fork, so a
-    # replacement child does not pay for them (pipeline.supervisor).
+    # replacement child does not pay for them (pipeline.runtime.supervisor).
     "faust.worker",
     "faust.app.base",
     "faust.agents",
@@ -139,11 +139,11 @@ WORKER_MODULES = (
     "agents.worker",
     "agents.parse",
     "agents.aggregate",
-    "pipeline.adapters",
-    "pipeline.detect",
-    "pipeline.parsing.kernel",
-    "pipeline.parsing.pod",
-    "pipeline.shippers",
-    "pipeline.fetch_watchdog",
-    "pipeline.lag",
+    "pipeline.ingest.adapters",
+    "pipeline.detection.detector",
+    "pipeline.ingest.parsing.kernel",
+    "pipeline.ingest.parsing.pod",
+    "pipeline.ingest.shippers",
+    "pipeline.kafka.fetch_watchdog",
+    "pipeline.kafka.lag",
 )

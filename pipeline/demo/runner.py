@@ -32,7 +32,6 @@ from kubernetes import client, config
 from rich.console import Console
 from rich.live import Live
 
-from pipeline import kafka_clients
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo import view
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet
@@ -46,11 +45,12 @@ from pipeline.demo.shipping import (
     start_all,
     stop_all,
 )
-from pipeline.kafka_admin import ensure_topics
+from pipeline.ingest.probe import read_boot_id
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.fluentbit_run import Render
 from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer, push_lines
-from pipeline.probe import read_boot_id
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from schemas.records import HealthCheckResult, RemediationRecord
 
 POLICY_FILE = Path(__file__).with_name("policies.yaml")

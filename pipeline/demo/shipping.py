@@ -37,7 +37,7 @@ from pipeline.localinfra.fluentbit import VERSION as FLUENT_BIT_VERSION
 from pipeline.localinfra.fluentbit_run import FluentBit, Render
 from pipeline.localinfra.helm import helm_template
 from pipeline.localinfra.install import Log
-from pipeline.settings import KafkaSettings
+from pipeline.runtime.settings import KafkaSettings
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "xidflow"
 COMPONENT_LABEL = "app.kubernetes.io/component"
@@ -76,7 +76,7 @@ def container_log_name(pod: str, namespace: str, container: str, salt: str) -> s
 def rdkafka_credentials(settings: KafkaSettings | None = None) -> dict[str, str]:
     """The librdkafka properties (``rdkafka.*`` in the shipped outputs) for the brokers the demo's own
     clients use (``KAFKA_SECURITY_PROTOCOL`` and friends); none on a plaintext broker."""
-    from pipeline.kafka_clients import _password
+    from pipeline.kafka.clients import _password
 
     s = settings or KafkaSettings()
     if s.security_protocol == "PLAINTEXT":

@@ -22,11 +22,11 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from pipeline.kafka_acls import principals
+from pipeline.kafka.acls import principals
 from pipeline.localinfra import procs
 from pipeline.localinfra.controlplane import _cert, _write_key
 from pipeline.localinfra.install import KafkaDist, Log, ensure_kafka
-from pipeline.settings import KafkaSettings
+from pipeline.runtime.settings import KafkaSettings
 
 LOG4J2 = """\
 status = warn

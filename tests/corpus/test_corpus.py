@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from pipeline.commands.classify import event_to_row
-from pipeline.detect import classify_lines
+from pipeline.detection.detector import classify_lines
 
 HERE = Path(__file__).parent
 

@@ -10,10 +10,10 @@ from collections.abc import AsyncIterator, Callable, Iterator
 import pytest
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
 from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
 

@@ -19,8 +19,8 @@ from pipeline.actuator.ownership import Ledger, condition_effect_key
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, node_events
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

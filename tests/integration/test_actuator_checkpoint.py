@@ -27,7 +27,7 @@ import pytest
 from pipeline.actuator import checkpoint
 from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import make_incident, publish, wait_until
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from schemas.records import Action, Outcome
 from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
@@ -297,7 +297,7 @@ async def test_a_lost_gpu_under_a_rule_with_grace_is_drained_at_once_with_the_re
 
 async def test_a_policy_object_asking_a_grace_for_xid_79_is_refused_and_changes_nothing(env: Env) -> None:
     from pipeline.actuator.app import Actuator
-    from pipeline.settings import KafkaSettings
+    from pipeline.runtime.settings import KafkaSettings
     from tests.integration.test_actuator_policy_crd import (
         GROUP,
         VERSION,

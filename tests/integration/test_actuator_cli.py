@@ -11,7 +11,7 @@ from click.testing import CliRunner
 
 from pipeline.actuator.testing import make_incident
 from pipeline.cli import cli
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.

@@ -14,7 +14,7 @@ from pipeline.actuator.app import Actuator
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.problems import OWN_CONDITION_TYPES
 from pipeline.actuator.testing import make_incident
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from schemas.records import Action, FaultKind, NodeRecovered
 from tests.integration.test_actuator_effects import Env
 

@@ -164,7 +164,7 @@ async def test_without_resource_slices_it_falls_back_to_the_node_cordon(env: Env
 async def test_the_shipped_rbac_is_enough_for_taint_device(env: Env, kubeconfig: str) -> None:
     """As the actuator's ServiceAccount with deploy/rbac/actuator.yaml and nothing more."""
     from pipeline.actuator.app import Actuator
-    from pipeline.settings import KafkaSettings
+    from pipeline.runtime.settings import KafkaSettings
     from tests.integration.test_actuator_rbac import (
         apply_docs,
         delete_cluster_rbac,

@@ -20,7 +20,7 @@ from pipeline.actuator.testing import (
     node_events,
     read_audit,
 )
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import Action, NodeRecovered, Outcome
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.

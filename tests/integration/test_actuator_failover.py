@@ -31,7 +31,7 @@ from kubernetes import client
 
 from pipeline.actuator.breaker import read_json_configmap
 from pipeline.actuator.testing import make_incident, node_events, publish, set_node_ready, wait_until
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome
 from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env

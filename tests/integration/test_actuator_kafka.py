@@ -21,8 +21,8 @@ from pipeline.actuator.app import Actuator, ensure_namespace
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueAction, RescueActionRequest
 from pipeline.actuator.testing import make_incident, node_events, publish, wait_until
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import KafkaSettings
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import KafkaSettings
 from schemas.records import DeadLetter, NodeRecovered, Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 

@@ -16,8 +16,8 @@ from pipeline.actuator.app import Actuator
 from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
 from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.testing import make_incident
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import KafkaSettings
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import KafkaSettings
 from tests.integration.test_actuator_effects import Env, outcomes
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.

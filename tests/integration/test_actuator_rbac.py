@@ -14,7 +14,7 @@ from kubernetes import client, config
 from pipeline.actuator.app import Actuator
 from pipeline.actuator.kube import Forbidden, Kube
 from pipeline.actuator.testing import make_incident, node_events
-from pipeline.settings import KafkaSettings
+from pipeline.runtime.settings import KafkaSettings
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 from tests.integration.test_notify_workload import GPU, make_pod, owner

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import REPO, T0, XID, Pipeline, Worker, kmsg, wait_ready
 
 pytestmark = pytest.mark.integration

@@ -31,7 +31,7 @@ from pipeline.actuator.api import (
 )
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueActionRequest
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 

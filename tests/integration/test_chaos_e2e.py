@@ -31,7 +31,7 @@ import pytest
 
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from schemas.records import LogRecord, Outcome, Source
 from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env

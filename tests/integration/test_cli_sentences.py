@@ -13,7 +13,7 @@ from click.testing import CliRunner
 
 from pipeline.actuator.testing import create_nodes, make_incident
 from pipeline.cli import cli
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]

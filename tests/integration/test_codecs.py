@@ -1,6 +1,6 @@
 """Every Kafka codec is read, and a batch the worker cannot decode is reported, not a restart loop (issue 21).
 
-- aiokafka's own producer, each codec, through the project's consumer factory (``pipeline.kafka_clients``).
+- aiokafka's own producer, each codec, through the project's consumer factory (``pipeline.kafka.clients``).
 - A REAL librdkafka producer per codec (Debian's rsyslogd + omkafka, ``compression.codec=X``, each
   to its own partition) and a real ``xidflow worker``: each codec's lines become incidents. Which codec
   each partition's batches really carry is checked by reading them with every codec turned off.
@@ -27,13 +27,13 @@ from aiokafka import AIOKafkaProducer, TopicPartition
 from aiokafka import codec as aiokafka_codec
 from aiokafka.errors import UnsupportedCodecError
 
-from pipeline import kafka_clients
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
-from pipeline.liveness import LIVENESS
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.procs import free_port
 from pipeline.localinfra.rsyslog import RsyslogDist
-from pipeline.settings import TopicNames
+from pipeline.runtime.liveness import LIVENESS
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, XID, Pipeline, Worker, healthz, kmsg, wait_ready
 from tests.integration.test_rsyslog import Rsyslogd
 
@@ -342,8 +342,8 @@ async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_g
 ) -> None:
     """A batch whose bytes changed on the broker's disk after its CRC was written (real corruption, read
     through the real broker): the stage re-fetches it once, then dead-letters its offsets and reads on."""
-    from pipeline.parse_settings import ParseSettings
-    from pipeline.parse_stage import ParseStage
+    from pipeline.detection.parse_settings import ParseSettings
+    from pipeline.detection.parse_stage import ParseStage
 
     cluster = private_kafka(1)
     bootstrap = cluster.bootstrap

@@ -19,8 +19,8 @@ import orjson
 import pytest
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, XID, Pipeline, Worker, wait_ready
 
 pytestmark = pytest.mark.integration

@@ -30,11 +30,11 @@ import pytest
 import yaml
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.fluentbit import ensure_fluent_bit
 from pipeline.localinfra.fluentbit_run import FluentBit, Render, render_shipped_config, shipped_config_drift
 from pipeline.localinfra.kafka import KafkaCluster
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_loki_tail import read_all
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
 from tests.unit.test_deploy_fluentbit import NOISE

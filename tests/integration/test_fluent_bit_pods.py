@@ -27,12 +27,12 @@ import orjson
 import pytest
 import yaml
 
-from pipeline import kafka_clients
-from pipeline.kafka_admin import ensure_topics
+from pipeline.ingest.parsing.pod import match_pod_signal
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.fluentbit_run import FluentBit, Render, load_shipped
 from pipeline.localinfra.helm import helm_template
-from pipeline.parsing.pod import match_pod_signal
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import Pipeline
 from tests.unit.test_deploy_fluentbit import NOISE
 

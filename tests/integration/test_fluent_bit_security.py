@@ -23,7 +23,7 @@ import yaml
 from pipeline.localinfra.fluentbit_run import FluentBit, Render
 from pipeline.localinfra.helm import helm_template
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_kafka_security import read_all
 from tests.integration.test_pipeline import Worker
 
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "xidflow"
-T = TopicNames(prefix="")  # the ACL table's names (pipeline.kafka_acls)
+T = TopicNames(prefix="")  # the ACL table's names (pipeline.kafka.acls)
 SHIPPER = "xidflow-shipper"
 XID_79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 XID_48 = "NVRM: Xid (PCI:0000:b7:00): 48, pid=2331, name=python, An uncorrectable double bit error"

@@ -22,15 +22,15 @@ import orjson
 import pytest
 from aiokafka.errors import KafkaError, TopicAuthorizationFailedError
 
-from pipeline import kafka_clients
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueAction, RescueActionRequest
 from pipeline.actuator.signing import Signer, SigningSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
-from pipeline.settings import KafkaSettings, TopicNames
+from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import RemediationRecord
 
 pytestmark = pytest.mark.integration

@@ -41,10 +41,10 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from websockets.asyncio.server import ServerConnection, serve
 from websockets.http11 import Request, Response
 
-from pipeline.adapters import decode_record
-from pipeline.kafka_admin import ensure_topics
+from pipeline.ingest.adapters import decode_record
+from pipeline.ingest.loki_tail import Backoff, LokiAuth, LokiRequestRejected, LokiTailBridge
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.loki import LokiServer, push_lines
-from pipeline.loki_tail import Backoff, LokiAuth, LokiRequestRejected, LokiTailBridge
 from schemas.records import DeadLetter
 
 pytestmark = pytest.mark.integration
@@ -397,7 +397,7 @@ async def test_real_loki_lines_reach_incidents_through_the_loki_tail_command(
 ) -> None:
     """Konduktor's path: node -> Loki -> `xidflow loki-tail` -> raw topic -> a real worker -> incidents."""
     from pipeline.app import worker_topics
-    from pipeline.settings import TopicNames
+    from pipeline.runtime.settings import TopicNames
     from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
 
     tag = uuid.uuid4().hex[:8]

@@ -21,10 +21,11 @@ from aiokafka import TopicPartition
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pipeline import kafka_clients, metrics
 from pipeline.actuator.testing import make_incident, publish, wait_until
-from pipeline.kafka_admin import ensure_topics
-from pipeline.lag import LagMonitor
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.lag import LagMonitor
+from pipeline.runtime import metrics
 from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
 

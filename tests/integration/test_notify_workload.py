@@ -21,7 +21,7 @@ from pipeline.actuator.kube import Invalid, Kube
 from pipeline.actuator.ownership import LEDGER_ANNOTATION
 from pipeline.actuator.testing import make_incident
 from pipeline.actuator.workload import EVENT_REASON, GPU_FAULT_CONDITION
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome, RemediationRecord
 from tests.integration.test_actuator_effects import Env
 

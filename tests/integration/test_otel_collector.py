@@ -26,7 +26,7 @@ import yaml
 from pipeline.localinfra import procs
 from pipeline.localinfra.otelcol import ensure_otelcol
 from pipeline.localinfra.procs import free_port
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, Pipeline
 
 pytestmark = pytest.mark.integration
@@ -196,8 +196,7 @@ async def test_collector_lines_become_incidents_on_the_right_node_and_survive_a_
 async def _read_all(bootstrap: str, topic: str) -> list:
     from aiokafka import TopicPartition
 
-    from pipeline import kafka_clients
-
+    from pipeline.kafka import clients as kafka_clients
     consumer = kafka_clients.consumer(bootstrap=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:

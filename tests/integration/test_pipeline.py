@@ -24,10 +24,10 @@ import pytest
 from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.localinfra.procs import free_port
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from schemas.records import HealthCheckResult
 
 pytestmark = pytest.mark.integration

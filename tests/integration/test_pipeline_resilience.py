@@ -18,8 +18,8 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import KafkaError
 
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, healthz, wait_ready
 
 pytestmark = pytest.mark.integration

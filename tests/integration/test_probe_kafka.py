@@ -12,7 +12,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 
 from pipeline.commands.probe import EXIT_CHECK_FAILED, probe_loop
-from pipeline.probe import read_boot_id
+from pipeline.ingest.probe import read_boot_id
 from schemas.records import HealthCheckResult, Severity
 from tests.unit.test_probe import FakeNvml, hgx
 

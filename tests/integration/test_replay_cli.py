@@ -18,8 +18,8 @@ import orjson
 import pytest
 import yaml
 
-from pipeline import kafka_clients
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_policy_crd import GROUP, VERSION, install_crds
 

@@ -17,7 +17,7 @@ import pytest
 
 from pipeline.localinfra import procs
 from pipeline.localinfra.rsyslog import RsyslogDist
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import Pipeline
 
 pytestmark = pytest.mark.integration
@@ -121,8 +121,7 @@ async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node
     # What rsyslog actually produced: default form has no key and the host only in the header.
     from aiokafka import TopicPartition
 
-    from pipeline import kafka_clients
-
+    from pipeline.kafka import clients as kafka_clients
     consumer = kafka_clients.consumer(bootstrap=kafka_bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:

@@ -34,7 +34,7 @@ from pipeline.actuator.breaker import read_json_configmap
 from pipeline.actuator.sharedparts import AUDIT_ACTION, CONDITION_TYPE, REASON, parts_of
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas

@@ -20,9 +20,9 @@ from pathlib import Path
 
 from aiokafka.errors import KafkaError
 
-from pipeline.group_membership import GroupView, describe_group
-from pipeline.kafka_admin import ensure_topics
-from pipeline.settings import TopicNames
+from pipeline.kafka.admin import ensure_topics
+from pipeline.kafka.membership import GroupView, describe_group
+from pipeline.runtime.settings import TopicNames
 
 SESSION_S = "300"  # far longer than any wait below: a member back in time did not wait for expiry
 

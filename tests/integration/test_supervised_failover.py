@@ -23,9 +23,9 @@ import pytest
 
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.procs import free_port
-from pipeline.supervisor import child_pids
+from pipeline.runtime.supervisor import child_pids
 from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy

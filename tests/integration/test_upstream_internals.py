@@ -1,10 +1,10 @@
 """Every private name of faust-streaming and aiokafka that xidflow touches, and every upstream behaviour it
 patches: one test each, so that an upgrade fails here, for the right reason, before it loses a record.
 
-Every one of them is used in ``pipeline/upstream.py`` alone (the seam): Faust's consumer hooks and bookkeeping
-(for ``pipeline/fetch_watchdog.py``'s guarantees and two reads in ``pipeline/app.py``), aiokafka's record
-iterator (where ``pipeline/undecodable.py``'s bad batch is), the coordinator's static identity and
-DescribeGroups v4 (``pipeline/group_membership.py``), Faust's stream (``pipeline/stream_batches.py``) and the
+Every one of them is used in ``pipeline/kafka/upstream.py`` alone (the seam): Faust's consumer hooks and bookkeeping
+(for ``pipeline/kafka/fetch_watchdog.py``'s guarantees and two reads in ``pipeline/app.py``), aiokafka's record
+iterator (where ``pipeline/kafka/undecodable.py``'s bad batch is), the coordinator's static identity and
+DescribeGroups v4 (``pipeline/kafka/membership.py``), Faust's stream (``pipeline/aggregate/stream_batches.py``) and the
 clients' metadata refresh. ``test_no_private_upstream_name_outside_the_seam`` keeps it that way.
 pyproject.toml holds these packages to one minor release; "Upgrading dependencies" (docs/dependencies.md)
 says what to do when a test here fails. Each failure message names the upstream change and who relied on it.
@@ -40,8 +40,10 @@ from faust.transport.drivers import aiokafka as faust_aiokafka
 from faust.types import TP
 
 from agents.worker import create_app
-from pipeline import fetch_watchdog, group_membership, kafka_clients, upstream
-from pipeline.kafka_admin import ensure_topics
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka import fetch_watchdog, upstream
+from pipeline.kafka import membership as group_membership
+from pipeline.kafka.admin import ensure_topics
 
 FAUST = f"faust-streaming {metadata.version('faust-streaming')}"
 AIOKAFKA = f"aiokafka {metadata.version('aiokafka')}"

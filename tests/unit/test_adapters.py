@@ -8,7 +8,7 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.adapters import decode_record, parse_timestamp, source_for_topic
+from pipeline.ingest.adapters import decode_record, parse_timestamp, source_for_topic
 from schemas.records import DeadLetter, LogRecord, Source
 
 XID = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -398,7 +398,7 @@ def dumps_or_empty(obj: object) -> bytes:
 @settings(max_examples=200, deadline=None)
 @given(raw=st.binary(max_size=200) | shaped.map(dumps_or_empty))
 def test_loki_tail_message_parsing_never_raises(raw: bytes) -> None:
-    from pipeline.loki_tail import parse_tail_message
+    from pipeline.ingest.loki_tail import parse_tail_message
 
     msg = parse_tail_message(raw)
     assert all(isinstance(e.ts_ns, int) and isinstance(e.line, str) for e in msg.entries)

@@ -8,9 +8,9 @@ from datetime import UTC, datetime, timedelta
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.aggregation import Aggregator, group_key
-from pipeline.aggregation_settings import AggregationSettings
-from pipeline.aggregation_state import NodeState
+from pipeline.aggregate.aggregator import Aggregator, group_key
+from pipeline.aggregate.settings import AggregationSettings
+from pipeline.aggregate.state import NodeState
 from schemas.records import (
     Action,
     FaultEvent,

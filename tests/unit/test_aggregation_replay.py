@@ -3,9 +3,9 @@ applied: the position check never mistakes a never-applied event for a replay.""
 
 from __future__ import annotations
 
-from pipeline.aggregation import Aggregator
-from pipeline.aggregation_settings import AggregationSettings
-from pipeline.aggregation_state import NodeState
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.aggregate.settings import AggregationSettings
+from pipeline.aggregate.state import NodeState
 from tests.unit.test_aggregation import NODE, fault
 
 

@@ -1,10 +1,10 @@
-"""pipeline.allocator: the worker's memory after a burst goes back to the system (glibc)."""
+"""pipeline.runtime.allocator: the worker's memory after a burst goes back to the system (glibc)."""
 
 from __future__ import annotations
 
 import sys
 
-from pipeline import allocator
+from pipeline.runtime import allocator
 
 
 def test_tune_and_trim_work_on_glibc_and_do_nothing_elsewhere() -> None:

@@ -1,10 +1,10 @@
-"""What one input record may become: cut lines and capped dead letters (pipeline.bounds)."""
+"""What one input record may become: cut lines and capped dead letters (pipeline.ingest.bounds)."""
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
 
-from pipeline.bounds import cap_dead_letters, clip_record, clip_text
+from pipeline.ingest.bounds import cap_dead_letters, clip_record, clip_text
 from schemas.records import DeadLetter, DeadLetterCode, LogRecord, Source
 
 

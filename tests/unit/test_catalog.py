@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.catalog import DEFAULT_CATALOG_PATH, Catalog, CatalogError, CatalogSettings
+from pipeline.detection.catalog import DEFAULT_CATALOG_PATH, Catalog, CatalogError, CatalogSettings
 from schemas.records import Action, Severity
 
 # NVIDIA's immediate-resolution buckets as tabulated in shared/reference/gpu-faults.md.

@@ -15,10 +15,10 @@ from pipeline.actuator.plan import NodeView, expand_actions, plan_incident
 from pipeline.actuator.policy import DEFAULT_RULE, PolicySet
 from pipeline.actuator.problems import ProblemClass, classify_incident
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.aggregation import Aggregator
-from pipeline.catalog import Catalog
-from pipeline.detect import Detector, classify_lines
-from pipeline.parse_core import health_event
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.detection.catalog import Catalog
+from pipeline.detection.detector import Detector, classify_lines
+from pipeline.detection.parse_core import health_event
 from schemas.records import Action, FaultKind, HealthCheckResult, NodeIncident, Severity
 
 REPO = Path(__file__).resolve().parents[2]
@@ -177,8 +177,8 @@ def test_configured_catalog_reads_the_overrides_from_the_environment(tmp_path: P
     line = "Nov 22 10:00:00 gpu-1 kernel: " + xid_line(31, "MMU Fault")
     env = {**os.environ, "XIDFLOW_CATALOG_OVERRIDES": str(overrides), "PYTHONPATH": str(REPO)}
     code = (
-        "from pipeline.catalog import Catalog; from pipeline.detect import Detector; "
-        "from pipeline.aggregation import Aggregator; c = Catalog.configured(); "
+        "from pipeline.detection.catalog import Catalog; from pipeline.detection.detector import Detector; "
+        "from pipeline.aggregate.aggregator import Aggregator; c = Catalog.configured(); "
         "print(c.xid(31).action.value, Detector().catalog is c, Aggregator().catalog is c)"
     )
     probe = subprocess.run([sys.executable, "-c", code], env=env, cwd=REPO, capture_output=True, text=True, timeout=60)

@@ -15,7 +15,7 @@ from pipeline.actuator.plan import plan_from_ledger, plan_incident, stored
 from pipeline.actuator.policy import PolicyError, load_yaml_text
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import make_incident
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import Action, FaultKind
 
 CATALOG = Catalog.default()

@@ -1,10 +1,10 @@
 """docs/configuration.md is generated from the settings classes; it must not go stale."""
 
-from pipeline import configdoc
+from pipeline.runtime import configdoc
 
 
 def test_configuration_reference_is_fresh() -> None:
-    assert configdoc.OUT.read_text() == configdoc.render(), "run: python -m pipeline.configdoc"
+    assert configdoc.OUT.read_text() == configdoc.render(), "run: python -m pipeline.runtime.configdoc"
 
 
 def test_every_setting_is_documented() -> None:

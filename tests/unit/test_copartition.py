@@ -1,8 +1,8 @@
-"""The co-partitioning rule of the worker's state topics (pure part of pipeline.copartition)."""
+"""The co-partitioning rule of the worker's state topics (pure part of pipeline.aggregate.copartition)."""
 
 from __future__ import annotations
 
-from pipeline.copartition import copartitioned_topics, mismatch, target_partitions
+from pipeline.aggregate.copartition import copartitioned_topics, mismatch, target_partitions
 
 
 def test_the_three_topics_fault_events_first() -> None:

@@ -7,7 +7,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from pipeline.deadletter_log import DeadLetterReporter
+from pipeline.runtime.deadletter_log import DeadLetterReporter
 from schemas.records import DeadLetter, DeadLetterCode
 
 

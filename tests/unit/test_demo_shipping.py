@@ -7,7 +7,7 @@ from pathlib import Path
 
 from pipeline.demo.shipping import container_log_name, cri_line, kmsg_record, rdkafka_credentials
 from pipeline.localinfra.fluentbit_run import load_shipped
-from pipeline.settings import KafkaSettings
+from pipeline.runtime.settings import KafkaSettings
 
 # Fluent Bit's kubernetes filter reads pod, namespace, container and id from the file name with this regex
 # (plugins/filter_kubernetes/kube_regex.h, KUBE_TAG_TO_REGEX, 5.1.1).

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline.parsing.kernel import parse_kernel_line
-from pipeline.parsing.pod import match_pod_signal
+from pipeline.ingest.parsing.kernel import parse_kernel_line
+from pipeline.ingest.parsing.pod import match_pod_signal
 
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "deploy" / "fluent-bit" / "fluent-bit.yaml"
@@ -166,7 +166,7 @@ def test_every_line_a_parser_recognises_passes_the_prefilter(config: dict) -> No
     """Cross-check against the parsers on the samples plus every pod signal's own alternatives."""
     kernel_re = _grep(config, "kernel")[1]
     pod_re = _grep(config, "kube.*")[1]
-    from pipeline.parsing import pod as pod_module
+    from pipeline.ingest.parsing import pod as pod_module
 
     alternatives = [
         alt.replace("\\b", "") for _, _, pattern in pod_module._SIGNALS for alt in pattern.split("|")
@@ -192,7 +192,7 @@ def test_kafka_outage_buffers_on_disk_instead_of_dropping(config: dict) -> None:
 
 def test_kernel_lines_carry_the_boot_id_for_replay_dedup(config: dict) -> None:
     """Replays are not byte-identical (in_kmsg's boot time is coarse): ids use boot id + kmsg sequence."""
-    from pipeline.adapters import decode_record
+    from pipeline.ingest.adapters import decode_record
 
     filters = config["pipeline"]["filters"]
     names = [(f["name"], f["match"]) for f in filters]

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from pipeline import metrics
-from pipeline.settings import TopicNames
+from pipeline.runtime import metrics
+from pipeline.runtime.settings import TopicNames
 
 ROOT = Path(__file__).resolve().parents[2]
 DEPLOY = ROOT / "deploy"
@@ -108,7 +108,7 @@ def test_metrics_contract_matches_the_code() -> None:
         for m in vars(metrics).values()
         if hasattr(m, "_name") and hasattr(m, "_type")
     }
-    assert CONTRACT <= defined, f"pipeline/metrics.py lacks {CONTRACT - defined}"
+    assert CONTRACT <= defined, f"pipeline/runtime/metrics.py lacks {CONTRACT - defined}"
 
 
 def test_readme_documents_every_metric() -> None:

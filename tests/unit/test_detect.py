@@ -6,7 +6,7 @@ from datetime import UTC, datetime, timedelta
 
 import pytest
 
-from pipeline.detect import Detector, classify_lines, parse_health_check, prefilter
+from pipeline.detection.detector import Detector, classify_lines, parse_health_check, prefilter
 from schemas.records import Action, FaultEvent, FaultKind, HealthCheckResult, LogRecord, Severity, SignalGrade
 
 T0 = datetime(2025, 3, 1, 12, 0, tzinfo=UTC)

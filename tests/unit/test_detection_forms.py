@@ -7,13 +7,13 @@ from datetime import UTC, datetime
 import orjson
 import pytest
 
-from pipeline.adapters import decode_record
-from pipeline.aggregation import Aggregator
-from pipeline.detect import Detector, classify_lines
-from pipeline.parsing.common import prefix_is_kernel
-from pipeline.parsing.kernel import FallenOffBusLine, parse_kernel_line
-from pipeline.parsing.kmsg import decode_kmsg_escapes, record_lines
-from pipeline.parsing.pod import match_pod_signal
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.detection.detector import Detector, classify_lines
+from pipeline.ingest.adapters import decode_record
+from pipeline.ingest.parsing.common import prefix_is_kernel
+from pipeline.ingest.parsing.kernel import FallenOffBusLine, parse_kernel_line
+from pipeline.ingest.parsing.kmsg import decode_kmsg_escapes, record_lines
+from pipeline.ingest.parsing.pod import match_pod_signal
 from schemas.records import Action, FaultKind, LogRecord, SignalGrade, Source
 
 T = datetime(2026, 11, 22, 10, 0, tzinfo=UTC)

@@ -11,8 +11,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from pipeline import envcheck, logconfig
 from pipeline.cli import cli
+from pipeline.runtime import envcheck, logconfig
 
 CHART = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "xidflow"
 
@@ -129,7 +129,7 @@ def test_reading_settings_from_source_equals_pydantic() -> None:
     import sys
 
     # In a fresh interpreter (nothing imported yet), the source reading must give what pydantic gives.
-    code = ("from pipeline import envcheck; import sys; a = envcheck.known_names(); "
+    code = ("from pipeline.runtime import envcheck; import sys; a = envcheck.known_names(); "
             "assert 'faust' not in sys.modules and 'kubernetes' not in sys.modules, 'imported heavy modules'; "
             "b = envcheck.known_names(imported=True); print(sorted(a ^ b)); assert a == b")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)

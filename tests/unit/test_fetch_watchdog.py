@@ -7,8 +7,8 @@ from collections import Counter
 from faust.types import TP
 
 from agents.worker import create_app
-from pipeline import upstream
-from pipeline.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
+from pipeline.kafka import upstream
+from pipeline.kafka.fetch_watchdog import GuardedConsumer, SeekFence, StallDetector, first_unacked
 
 
 def test_progressing_partition_is_never_reseeked() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from pipeline.settings import ConsumerGroupSettings
+from pipeline.runtime.settings import ConsumerGroupSettings
 
 
 def test_defaults_are_dynamic_with_a_short_session(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -11,8 +11,8 @@ import urllib.request
 
 import pytest
 
-from pipeline import heartbeat
-from pipeline.heartbeat import HealthSettings, Heartbeat
+from pipeline.runtime import heartbeat
+from pipeline.runtime.heartbeat import HealthSettings, Heartbeat
 
 
 def free_port() -> int:
@@ -97,7 +97,7 @@ def test_a_busy_port_does_not_stop_the_work() -> None:
 
 def test_a_held_partition_fails_readiness_not_liveness() -> None:
     """The probes the chart wires to this port: /healthz (readiness) red on a fault, /livez (liveness) not."""
-    from pipeline.liveness import LIVENESS
+    from pipeline.runtime.liveness import LIVENESS
 
     port = free_port()
     stage = LIVENESS.component("unit-held-stage", stall_after_s=60)

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import yaml
 
-from pipeline import kafka_acls
-from pipeline.kafka_acls import Acl, principals, strimzi_bindings
+from pipeline.kafka import acls as kafka_acls
+from pipeline.kafka.acls import Acl, principals, strimzi_bindings
 from pipeline.localinfra.kafka import acl_spec_lines
-from pipeline.settings import TopicNames
+from pipeline.runtime.settings import TopicNames
 
 T = TopicNames(prefix="")
 
@@ -25,7 +25,7 @@ def reads(user: str) -> set[str]:
 
 
 def test_strimzi_users_yaml_is_rendered_from_the_table() -> None:
-    assert kafka_acls.OUT.read_text() == kafka_acls.render_users(), "run: python -m pipeline.kafka_acls"
+    assert kafka_acls.OUT.read_text() == kafka_acls.render_users(), "run: python -m pipeline.kafka.acls"
 
 
 def test_strimzi_users_and_the_local_broker_grant_the_same_acls() -> None:

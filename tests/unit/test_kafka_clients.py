@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from pipeline import kafka_clients
-from pipeline.kafka_clients import KafkaConfigError, RefreshingTokenProvider, parse_token
-from pipeline.settings import KafkaSettings
+from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.clients import KafkaConfigError, RefreshingTokenProvider, parse_token
+from pipeline.runtime.settings import KafkaSettings
 
 KAFKA_VARS = ["KAFKA_SECURITY_PROTOCOL", "KAFKA_SASL_MECHANISM", "KAFKA_SASL_USERNAME", "KAFKA_SASL_PASSWORD",
               "KAFKA_SASL_PASSWORD_FILE", "KAFKA_SASL_OAUTH_TOKEN_FILE", "KAFKA_SASL_OAUTH_TOKEN_COMMAND",

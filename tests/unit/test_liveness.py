@@ -1,8 +1,8 @@
-"""/healthz: live while every stage makes progress (pipeline.liveness, pipeline.metrics)."""
+"""/healthz: live while every stage makes progress (pipeline.runtime.liveness, pipeline.runtime.metrics)."""
 
 from __future__ import annotations
 
-from pipeline.liveness import Liveness
+from pipeline.runtime.liveness import Liveness
 
 
 def test_an_idle_stage_is_live_and_a_busy_one_without_progress_is_not() -> None:
@@ -33,8 +33,8 @@ def test_a_stage_whose_loop_stopped_is_not_live() -> None:
 
 
 def test_healthz_is_served_next_to_the_metrics() -> None:
-    from pipeline import metrics
-    from pipeline.liveness import LIVENESS
+    from pipeline.runtime import metrics
+    from pipeline.runtime.liveness import LIVENESS
 
     def get(path: str) -> tuple[str, bytes]:
         got: dict[str, str] = {}

@@ -7,8 +7,8 @@ from urllib.parse import parse_qs, urlsplit
 import orjson
 import pytest
 
-from pipeline.adapters import decode_record
-from pipeline.loki_tail import TailCursor, TailEntry, encode_entry, parse_tail_message, tail_url
+from pipeline.ingest.adapters import decode_record
+from pipeline.ingest.loki_tail import TailCursor, TailEntry, encode_entry, parse_tail_message, tail_url
 
 
 def test_tail_url_maps_scheme_and_keeps_prefix() -> None:
@@ -104,7 +104,7 @@ def test_encoded_entry_is_understood_by_the_adapters() -> None:
 def test_auth_headers_tenant_basic_and_bearer_file(tmp_path) -> None:
     import base64
 
-    from pipeline.loki_tail import LokiAuth, tail_identity
+    from pipeline.ingest.loki_tail import LokiAuth, tail_identity
 
     assert LokiAuth().headers() == {}
     basic = LokiAuth(org_id="team-a", username="bridge", password="s3cret").headers()

@@ -14,11 +14,11 @@ from datetime import UTC, datetime
 
 import pytest
 
-from pipeline.adapters import decode_record
-from pipeline.detect import Detector
-from pipeline.parse_core import ParseCore
-from pipeline.parse_settings import ParseSettings
-from pipeline.settings import TopicNames
+from pipeline.detection.detector import Detector
+from pipeline.detection.parse_core import ParseCore
+from pipeline.detection.parse_settings import ParseSettings
+from pipeline.ingest.adapters import decode_record
+from pipeline.runtime.settings import TopicNames
 from schemas.records import Action, FaultKind, SignalGrade
 
 TOPICS = TopicNames()

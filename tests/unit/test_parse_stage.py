@@ -9,10 +9,10 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.detect import prefilter
-from pipeline.parse_core import ParseCore
-from pipeline.parse_settings import ParseSettings
-from pipeline.settings import TopicNames
+from pipeline.detection.detector import prefilter
+from pipeline.detection.parse_core import ParseCore
+from pipeline.detection.parse_settings import ParseSettings
+from pipeline.runtime.settings import TopicNames
 from schemas.records import DeadLetterCode, FaultKind, HealthCheckResult
 
 TOPICS = TopicNames()

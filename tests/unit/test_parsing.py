@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pipeline.parsing import (
+from pipeline.ingest.parsing import (
     FallenOffBusLine,
     GpuUuidLine,
     NcclSegfaultLine,

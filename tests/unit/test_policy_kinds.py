@@ -17,8 +17,8 @@ import pytest
 from pipeline.actuator.plan import NodeView, plan_incident
 from pipeline.actuator.policy import PolicySet, load_yaml_file
 from pipeline.actuator.settings import ActuatorSettings
-from pipeline.aggregation import Aggregator
-from pipeline.detect import Detector
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.detection.detector import Detector
 from schemas.records import FaultKind, HealthCheckResult, LogRecord, NodeIncident, Source
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "deploy" / "examples" / "policies.yaml"

@@ -12,7 +12,7 @@ import pynvml
 import pytest
 from click.testing import CliRunner
 
-from pipeline.probe import (
+from pipeline.ingest.probe import (
     DriverCall,
     check_gpu_count,
     normalise_bus_id,

@@ -9,8 +9,8 @@ import orjson
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline.detect import Detector, classify_lines, prefilter
-from pipeline.parsing import XidLine, match_pod_signal, normalize_pci, parse_kernel_line
+from pipeline.detection.detector import Detector, classify_lines, prefilter
+from pipeline.ingest.parsing import XidLine, match_pod_signal, normalize_pci, parse_kernel_line
 from schemas.records import FaultEvent, LogRecord
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)

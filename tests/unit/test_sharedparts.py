@@ -12,10 +12,10 @@ from pipeline.actuator.breaker import quarantined_by_xidflow
 from pipeline.actuator.ownership import Ledger, taint_effect_key
 from pipeline.actuator.policy import PolicyError, load_yaml_text
 from pipeline.actuator.sharedparts import observe_all, taint_key
-from pipeline.aggregation import Aggregator
-from pipeline.catalog import Catalog
-from pipeline.detect import Detector
-from pipeline.sharedparts import PartState, fault_class, observe
+from pipeline.aggregate.aggregator import Aggregator
+from pipeline.aggregate.sharedparts import PartState, fault_class, observe
+from pipeline.detection.catalog import Catalog
+from pipeline.detection.detector import Detector
 from schemas.records import FabricSignal, FaultKind, LogRecord, SharedPartIncident, Source
 
 T = datetime(2026, 11, 25, 10, 0, tzinfo=UTC)

@@ -1,4 +1,5 @@
-"""Other shippers' record shapes (pipeline.shippers, dispatched by pipeline.adapters), from their documented forms.
+"""Other shippers' record shapes (pipeline.ingest.shippers, dispatched by pipeline.ingest.adapters), from their
+documented forms.
 
 - OTLP JSON: the opentelemetry-proto repository's ``examples/logs.json`` (an ExportLogsServiceRequest,
   what the Collector's Kafka exporter writes with ``encoding: otlp_json``), with the node attributes of
@@ -15,9 +16,9 @@ from datetime import UTC, datetime
 
 import orjson
 
-from pipeline.adapters import decode_record
-from pipeline.detect import Detector
-from pipeline.shippers import kmsg_replay_key, parse_syslog
+from pipeline.detection.detector import Detector
+from pipeline.ingest.adapters import decode_record
+from pipeline.ingest.shippers import kmsg_replay_key, parse_syslog
 from schemas.records import LogRecord, Source
 
 XID = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

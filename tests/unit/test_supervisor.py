@@ -1,4 +1,4 @@
-"""The warm supervisor (``pipeline.supervisor``): its crash-loop arithmetic, and real forked children.
+"""The warm supervisor (``pipeline.runtime.supervisor``): its crash-loop arithmetic, and real forked children.
 
 The process tests run a small script in a subprocess (the supervisor installs signal handlers and
 forks, which a pytest process must not do to itself): a child that crashes is replaced, SIGTERM is
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline.supervisor import CrashLoop, child_pids, describe_status, exit_code, parse_ppid
+from pipeline.runtime.supervisor import CrashLoop, child_pids, describe_status, exit_code, parse_ppid
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -47,7 +47,7 @@ SCRIPT = textwrap.dedent(
     """
     import logging, os, signal, sys, time
     from pathlib import Path
-    from pipeline.supervisor import supervise
+    from pipeline.runtime.supervisor import supervise
     logging.basicConfig(level="INFO")
     marks = Path(sys.argv[1])
     def work():

@@ -11,7 +11,7 @@ from pipeline.actuator.actions import taint_device as td
 from pipeline.actuator.ownership import CORDON, LEDGER_ANNOTATION, Ledger
 from pipeline.actuator.plan import NodeView, plan_recovery_for
 from pipeline.actuator.policy import PolicyError, load_yaml_text
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import FaultKind
 from tests.unit.test_actuator_plan import incident
 

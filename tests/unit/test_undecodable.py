@@ -16,9 +16,9 @@ from aiokafka.record.default_records import DefaultRecordBatchBuilder
 from aiokafka.record.memory_records import MemoryRecords
 from aiokafka.structs import ConsumerRecord
 
-from pipeline.liveness import Component
-from pipeline.undecodable import Action, Failure, Reason, Undecodable
-from pipeline.upstream import locate_undecodable as locate
+from pipeline.kafka.undecodable import Action, Failure, Reason, Undecodable
+from pipeline.kafka.upstream import locate_undecodable as locate
+from pipeline.runtime.liveness import Component
 
 TP = TopicPartition("gpu.logs.kernel", 3)
 LZ4 = 0x03

@@ -1,4 +1,4 @@
-"""Faust's and aiokafka's private names are touched in one module, ``pipeline/upstream.py``, and nowhere else.
+"""Faust's and aiokafka's private names are touched in one module, ``pipeline/kafka/upstream.py``, and nowhere else.
 
 The names are the ones the seam's docstring lists; tests/integration/test_upstream_internals.py checks
 each against the pinned upstream versions. A new use elsewhere fails here with its file and line: put
@@ -11,7 +11,7 @@ import ast
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-SEAM = ROOT / "pipeline" / "upstream.py"
+SEAM = ROOT / "pipeline" / "kafka" / "upstream.py"
 
 # Faust's ``Consumer._thread`` is used too, but the name is too common to search for (our own watches have one).
 UPSTREAM_PRIVATE = frozenset({
@@ -46,7 +46,7 @@ def test_no_private_upstream_name_outside_the_seam() -> None:
     sources = [p for d in ("pipeline", "agents", "schemas") for p in (ROOT / d).rglob("*.py") if p != SEAM]
     assert sources
     offences = [o for p in sources for o in _offences(p)]
-    assert not offences, "private Faust/aiokafka names outside pipeline/upstream.py:\n" + "\n".join(offences)
+    assert not offences, "private Faust/aiokafka names outside pipeline/kafka/upstream.py:\n" + "\n".join(offences)
 
 
 def test_the_seam_uses_every_name_it_is_checked_for() -> None:

@@ -12,8 +12,8 @@ import types
 import pytest
 
 from agents.worker import create_app
-from pipeline import upstream
 from pipeline.app import WorkerSettings
+from pipeline.kafka import upstream
 
 
 class FakeProducer:

@@ -31,7 +31,7 @@ from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLik
 from pipeline.actuator.dra import GROUP, PCI_ATTRIBUTE, SLICE_VERSION, DeviceRef, find_devices, normalise_bdf
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.ownership import CORDON
-from pipeline.catalog import Catalog
+from pipeline.detection.catalog import Catalog
 from schemas.records import FaultKind, NodeIncident, Outcome, stable_id
 
 if TYPE_CHECKING:

@@ -36,7 +36,6 @@ import orjson
 from aiohttp import web
 from aiokafka import AIOKafkaProducer
 
-from pipeline import kafka_clients
 from pipeline.actuator import signing
 from pipeline.actuator.api.auth import TokenFileError, TokenStore
 from pipeline.actuator.api.openapi import (
@@ -52,7 +51,8 @@ from pipeline.actuator.audit import make_record
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.ownership import request_flow_key
 from pipeline.actuator.requests import ParameterError, RescueActionRequest, parse_rescue_request
-from pipeline.settings import TopicNames
+from pipeline.kafka import clients as kafka_clients
+from pipeline.runtime.settings import TopicNames
 from schemas.records import Outcome, utcnow
 
 log = logging.getLogger("pipeline.actuator.api")

@@ -1,0 +1,1 @@
+"""Aggregation: fault events -> per-node incidents and fabric signals (state model, rules, batching)."""

@@ -1,0 +1,302 @@
+"""The one seam to Faust's and aiokafka's private internals: every private name xidflow touches is here.
+
+The exactly-once guarantees of the aggregation (``pipeline.kafka.fetch_watchdog``), the handling of record
+batches nobody can decode (``pipeline.kafka.undecodable``), static-member group handling
+(``pipeline.kafka.membership``) and the aggregation's batching (``pipeline.aggregate.stream_batches``) lean on
+behaviour that faust-streaming and aiokafka do not publish. Everywhere else in xidflow calls the
+names below, never a private attribute of theirs, so an upstream change meets one module.
+
+Why it is safe to lean on them at all:
+
+- the versions are pinned to the tested minor releases (``pyproject.toml``) and installed from the
+  hashed ``requirements.lock``; ``docs/dependencies.md`` says how to upgrade;
+- ``tests/integration/test_upstream_internals.py`` checks every name and behaviour used here (method
+  signatures, that Faust still calls each hook, the defects the fetch watchdog closes, aiokafka's
+  behaviour against a real broker) and names the upstream change when one fails.
+
+What is used, by whom:
+
+- Faust's aiokafka ``Consumer``: the hooks ``_getmany``, ``_add_gap``, ``_new_offset`` and
+  ``_new_consumer_thread`` (overridden by ``FaustConsumer`` and handed on under public names), its
+  bookkeeping ``_committed_offset``, ``_acked``, ``_read_offset``, ``_unacked_messages``,
+  ``_paused_partitions`` and ``_thread``; its consumer thread's ``_create_worker_consumer``.
+- aiokafka's consumer: ``_fetch_max_wait_ms`` (Faust hard-codes 1,500 ms), ``_subscription`` (fetch
+  positions), ``_client.force_metadata_update``, ``_coordinator._group_instance_id`` (leaving a
+  group as a static member); the admin client's ``_send_request`` and the protocol classes of
+  ``aiokafka.protocol`` and ``aiokafka.coordinator.protocol`` (DescribeGroups v4, which aiokafka's
+  admin does not offer); the frame of ``PartitionRecords._unpack_records`` (where a batch that
+  cannot be decoded is).
+- Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
+- Faust's ``Stream``: ``_active_agens``, ``_enable_passive`` and ``_processors`` (a batch generator
+  that keeps filling while the agent works).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator, Callable
+from types import TracebackType
+from typing import Any
+
+from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
+from aiokafka.errors import UnsupportedCodecError
+from aiokafka.protocol.api import Request, RequestStruct, Response
+from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
+from faust.tables.manager import TableManager
+from faust.transport.drivers import aiokafka as faust_aiokafka
+
+from pipeline.kafka.undecodable import Failure, Reason
+
+AIOKAFKA_FETCH_MAX_WAIT_MS = 500
+"""aiokafka's default fetch wait, what a ``FaustConsumer`` keeps unless a subclass sets another."""
+
+
+# -- Faust's consumer ----------------------------------------------------------------------------
+
+
+class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+    """Faust's consumer thread, with the fetch wait its consumer asks for (``FaustConsumer.fetch_max_wait_ms``)."""
+
+    def _create_worker_consumer(self, transport: Any) -> Any:
+        consumer = super()._create_worker_consumer(transport)
+        consumer._fetch_max_wait_ms = getattr(self.consumer, "fetch_max_wait_ms", AIOKAFKA_FETCH_MAX_WAIT_MS)
+        return consumer
+
+
+class FaustConsumer(faust_aiokafka.Consumer):
+    """Faust's aiokafka consumer with its private hooks and bookkeeping under names of ours.
+
+    A subclass overrides ``fetch_records``, ``keeps_gap`` and ``offset_to_commit`` (calling
+    ``super()`` for Faust's behaviour) and reads Faust's view of each partition through the readers.
+    """
+
+    fetch_max_wait_ms: int = AIOKAFKA_FETCH_MAX_WAIT_MS
+
+    def _new_consumer_thread(self) -> Any:
+        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
+        return await self.fetch_records(active_partitions, timeout)
+
+    async def fetch_records(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109
+        """One fetch of the partitions in ``active_partitions`` (None: all): {tp: [records]}."""
+        return await super()._getmany(active_partitions, timeout)
+
+    async def _add_gap(self, tp: Any, offset_from: int, offset_to: int) -> None:
+        if self.keeps_gap(tp):
+            await super()._add_gap(tp, offset_from, offset_to)
+
+    def keeps_gap(self, tp: Any) -> bool:
+        """Whether a jump in delivery on ``tp`` is booked as a gap Faust may commit past (Faust: always)."""
+        return True
+
+    def _new_offset(self, tp: Any) -> int | None:
+        return self.offset_to_commit(tp)
+
+    def offset_to_commit(self, tp: Any) -> int | None:
+        """The offset Faust would commit for ``tp`` now (the first run of consecutive acknowledged offsets)."""
+        return super()._new_offset(tp)
+
+    # Faust's bookkeeping, read-only unless said otherwise.
+    def committed_offset(self, tp: Any) -> int | None:
+        return committed_offset(self, tp)
+
+    def acked_offsets(self, tp: Any) -> list[int] | None:
+        """Offsets acknowledged and not yet committed (Faust's ``_acked``)."""
+        return self._acked.get(tp)
+
+    def read_offset(self, tp: Any) -> int | None:
+        return read_offset(self, tp)
+
+    def in_flight_partitions(self) -> set[Any]:
+        """Partitions with a message delivered to an agent and not yet acknowledged."""
+        return {m.tp for m in self._unacked_messages}
+
+    def forget_unacked(self, message: Any) -> None:
+        """Drop ``message`` from Faust's unacknowledged set (it will be read again instead)."""
+        self._unacked_messages.discard(message)
+
+    def paused_by_faust(self, tp: Any) -> bool:
+        return tp in self._paused_partitions
+
+    def fetch_positions(self) -> tuple[set[Any], Callable[[Any], int]]:
+        """(partitions aiokafka has paused, tp -> aiokafka's fetch position); raises if the consumer is gone."""
+        inner = self._thread._ensure_consumer()
+        state = inner._subscription.subscription.assignment
+        return set(inner.paused()), lambda tp: state.state_value(tp).position
+
+
+def read_offset(consumer: Any, tp: Any) -> int | None:
+    """The last offset of ``tp`` a Faust consumer delivered to its agents (None: none yet)."""
+    return consumer._read_offset.get(tp)
+
+
+def committed_offset(consumer: Any, tp: Any) -> int | None:
+    """The offset a Faust consumer last committed for ``tp`` (None: none, or 0; Faust records 0 as None)."""
+    return consumer._committed_offset.get(tp)
+
+
+def faust_aiokafka_consumer(app: Any) -> Any:
+    """The aiokafka consumer behind a started Faust app's consumer (None before it started)."""
+    thread = getattr(getattr(app, "_consumer", None), "_thread", None)
+    return getattr(thread, "_consumer", None)
+
+
+class PromptTableManager(TableManager):
+    """Faust's table manager without the one-second sleep it takes before subscribing.
+
+    Faust sleeps a second at start so that tables defined late (by modules imported while the worker
+    starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
+    the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
+    start, and a replacement child's rejoin (``pipeline.runtime.supervisor``), by a second.
+    """
+
+    async def on_start(self) -> None:
+        if not self.should_stop:
+            await self._update_channels()
+            await self.recovery.start()
+
+
+# -- Faust's stream ------------------------------------------------------------------------------
+
+
+def attach_generator(stream: Any, generator: AsyncGenerator[Any, None]) -> None:
+    """Let ``stream`` close ``generator`` when it stops, as it does its own ``take_events`` generators."""
+    active = getattr(stream, "_active_agens", None)
+    if active is not None:
+        active.add(generator)
+
+
+def drain_in_background(stream: Any) -> None:
+    """Make ``stream`` pull its channel and run its processors on every event without a reader."""
+    stream._enable_passive(stream.channel.__aiter__())
+
+
+def remove_processor(stream: Any, processor: Callable[..., Any]) -> None:
+    stream._processors.remove(processor)
+
+
+# -- aiokafka's clients --------------------------------------------------------------------------
+
+
+async def refresh_metadata(consumer: Any) -> None:
+    """Make ``consumer`` fetch cluster metadata now (a topic created meanwhile becomes assignable)."""
+    await consumer._client.force_metadata_update()
+
+
+def drop_static_identity(consumer: Any) -> tuple[str, str] | None:
+    """Make ``consumer.stop()`` send LeaveGroup although it is a static member: (group, identity dropped).
+
+    aiokafka's coordinator skips the LeaveGroup only while it has a group instance id; the id is no
+    longer needed once the consumer is closing (it was used to join). None: not a static member of a
+    group (nothing changed).
+    """
+    coordinator: Any = getattr(consumer, "_coordinator", None)
+    instance_id = getattr(coordinator, "_group_instance_id", None)
+    if coordinator is None or instance_id is None:
+        return None
+    coordinator._group_instance_id = None
+    return str(coordinator.group_id), str(instance_id)
+
+
+class _DescribeGroupsResponseV4(Response):
+    API_KEY = 15
+    API_VERSION = 4
+    SCHEMA = Schema(
+        ("throttle_time_ms", Int32),
+        (
+            "groups",
+            Array(
+                ("error_code", Int16),
+                ("group", String("utf-8")),
+                ("state", String("utf-8")),
+                ("protocol_type", String("utf-8")),
+                ("protocol", String("utf-8")),
+                (
+                    "members",
+                    Array(
+                        ("member_id", String("utf-8")),
+                        ("group_instance_id", String("utf-8")),
+                        ("client_id", String("utf-8")),
+                        ("client_host", String("utf-8")),
+                        ("member_metadata", Bytes),
+                        ("member_assignment", Bytes),
+                    ),
+                ),
+                ("authorized_operations", Int32),
+            ),
+        ),
+    )
+
+
+class _DescribeGroupsRequestV4(RequestStruct):
+    API_KEY = 15
+    API_VERSION = 4
+    RESPONSE_TYPE = _DescribeGroupsResponseV4
+    SCHEMA = Schema(("groups", Array(String("utf-8"))), ("include_authorized_operations", Boolean))
+
+
+class _DescribeGroups(Request[_DescribeGroupsRequestV4]):
+    """aiokafka describes groups up to v3, which lacks the members' group.instance.id (added in v4)."""
+
+    API_KEY = 15
+
+    def __init__(self, groups: list[str]) -> None:
+        self._groups = groups
+
+    def build(self, request_struct_class: type[_DescribeGroupsRequestV4]) -> _DescribeGroupsRequestV4:
+        return request_struct_class(self._groups, False)
+
+
+async def describe_groups(admin: Any, group: str, node: int) -> list[Any]:
+    """DescribeGroups v4 (with each member's group.instance.id) sent to ``node``: the answer's groups.
+
+    Each is (error_code, name, state, protocol_type, protocol, members, authorized_operations), a
+    member (member_id, group_instance_id, client_id, client_host, metadata, assignment bytes).
+    """
+    response = await admin._send_request(_DescribeGroups([group]), node)
+    return list(response.groups)
+
+
+def assigned_partitions(assignment: bytes | None) -> tuple[tuple[str, int], ...]:
+    """The (topic, partition) pairs of a consumer-protocol member assignment, sorted."""
+    if not assignment:
+        return ()
+    decoded = ConsumerProtocolMemberAssignment.decode(assignment)
+    return tuple(sorted((t, p) for t, parts in decoded.assignment for p in parts))
+
+
+# -- a batch that cannot be decoded --------------------------------------------------------------
+
+_RECORD_ITERATOR = "_unpack_records"  # aiokafka.consumer.fetcher.PartitionRecords._unpack_records
+
+
+def locate_undecodable(exc: BaseException) -> Failure | None:
+    """The batch behind a decode failure raised by ``getmany``, or None when ``exc`` is not one.
+
+    A decode failure is an exception raised while aiokafka's record iterator unpacked a batch; its
+    frame holds the partition (``tp``) and the batch (``next_batch``).
+    """
+    tb: TracebackType | None = exc.__traceback__
+    frame_locals: dict[str, Any] | None = None
+    while tb is not None:
+        if tb.tb_frame.f_code.co_name == _RECORD_ITERATOR:
+            frame_locals = tb.tb_frame.f_locals
+        tb = tb.tb_next
+    if frame_locals is None:
+        return None
+    tp, batch = frame_locals.get("tp"), frame_locals.get("next_batch")
+    if tp is None or batch is None:
+        return None
+    try:
+        first = int(batch.base_offset)
+    except (AttributeError, TypeError, ValueError):
+        return None
+    try:
+        last: int | None = first + int(batch.last_offset_delta)
+    except (AttributeError, TypeError, ValueError):
+        last = None
+    reason = Reason.UNSUPPORTED_CODEC if isinstance(exc, UnsupportedCodecError) else Reason.CORRUPT
+    text = str(exc)  # aiokafka's errors start with their class name already
+    error = text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
+    return Failure(tp.topic, tp.partition, first, last, reason, error)
+
