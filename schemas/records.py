@@ -6,6 +6,9 @@ generated from these models into ``schemas/json/`` (``python -m schemas.generate
 
 Compatibility rule: fields are only ever added (with defaults); ``schema_version`` is bumped when
 a field's meaning changes. Unknown fields are ignored on read so that old readers keep working.
+
+One module (about 510 lines) on purpose: the contracts of all topics are read together by downstream
+consumers and generate the JSON Schema files in one pass; each model is short.
 """
 
 from __future__ import annotations

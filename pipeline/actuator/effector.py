@@ -7,6 +7,9 @@ the conditions and records them all done (and the flow finished, when it is its 
 step (drain, reboot, resetGpu, enableWarmStandby) is claimed first with a lease that a background
 task renews while the runner works, so a second replica or a redelivery never starts it twice and
 a replica that vanished is replaced within one lease period. ``DryRunEffector`` mutates nothing.
+
+One module (about 500 lines): the live and the dry-run effector implement one protocol side by side,
+so each step's two behaviours are read and changed together.
 """
 
 from __future__ import annotations

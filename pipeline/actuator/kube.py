@@ -5,6 +5,9 @@ handled at once without blocking the event loop. Responses are read raw and pars
 (``_preload_content=False``): the client's model deserialisation would cost more than the call.
 Errors are mapped to a few exception types the engine decides on (conflict, gone, throttled,
 forbidden, unavailable).
+
+One module (about 500 lines) on purpose: it is the one Kubernetes client layer; its length is one short
+method per API call plus the shared retry, priority and error mapping every call goes through.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
   and on a fleet of ``nodes``, with steady-state time, actuator memory and CPU, ``xidflow status``
   time and the breaker's count on each (``pipeline.benchmarks.scale``).
+
+One module (about 500 lines): the section registry, the shared context and the throughput, latency and
+parse sections that use the same broker set-up; the scenario benches live beside it (burst, storm, scale, soak).
 """
 
 from __future__ import annotations

@@ -9,6 +9,9 @@ API server. The demo only plays the parts a cluster would: the nodes' kernels an
 (they write the log files), kubelets (node status, a reboot is a new boot id), the node's reboot daemon
 (it answers the actuator's reboot-request annotation) and the node probe (its health-check records go to
 Kafka directly, as the probe's own producer sends them).
+
+One module (about 480 lines): the demo is one script from start to verdict; its parts (the fleet, the
+shippers, the scenario, the view) live in their own modules beside it.
 """
 
 from __future__ import annotations

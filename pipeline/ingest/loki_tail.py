@@ -18,6 +18,9 @@ query), so a restarted bridge rebuilds the cursor from the newest records of its
 Known limits: if more than ``limit`` entries arrived while disconnected, Loki's replay cannot return
 the oldest of them (we log an error when a replay fills ``limit``); entries that Loki itself delivers
 late and out of order across streams are produced but do not move the resume point.
+
+One module (about 490 lines) on purpose: the websocket reader, the producer and the cursor keep one
+invariant together (the cursor moves only past what Kafka acknowledged); split, it would span files.
 """
 
 from __future__ import annotations

@@ -19,6 +19,9 @@ monitoring agent, leptonai/gpud, NVIDIA NVSentinel):
 The checks are pure functions over an NVML-like object (the ``pynvml`` module in production), so
 they are tested with a stand-in for the hardware. Unsupported queries (``NVMLError_NotSupported``,
 e.g. ECC on a GeForce card, row remapping before Ampere) pass with a message saying so.
+
+One module (about 530 lines): the checks are small pure functions over one NVML-like object, next to
+the loop that runs them; split per check, each file would repeat the same NVML handling.
 """
 
 from __future__ import annotations

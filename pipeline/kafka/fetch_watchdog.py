@@ -46,6 +46,10 @@ with an offset never acknowledged below acknowledged ones, or whose last deliver
 neither acknowledged nor being processed, across two checks, is re-read from its committed offset
 (or log start). Re-reading only ever repeats records: the aggregation makes a repeated record a
 no-op, or sends the same incident again (at-least-once), never loses one.
+
+One module (about 510 lines) on purpose: the guarded consumer and the watchdog timer close the defects
+above together and share their state (seek fences, redo marks); the upstream names they need are in
+``pipeline.kafka.upstream``.
 """
 
 from __future__ import annotations

@@ -2,6 +2,9 @@
 
 Every node is a combined broker+controller (``process.roles=broker,controller``) with a static
 controller quorum, so a 3-node cluster survives the loss of one node like a production one.
+
+One module (about 450 lines) on purpose: a cluster's configuration, start, readiness and stop are one
+lifecycle that the tests start and tear down as a whole; each part reads the state the others write.
 """
 
 from __future__ import annotations
