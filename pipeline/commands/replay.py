@@ -53,7 +53,7 @@ async def read_history(bootstrap: str | None, topics: list[str], since_ms: int, 
     from pipeline.detection.parse_settings import ParseSettings
     from pipeline.kafka import clients as kafka_clients
     from pipeline.kafka import upstream
-    from pipeline.replay import RawLog
+    from pipeline.replay.window import RawLog
 
     gate = ParseCore(settings=ParseSettings(shape_check_every=0))  # the parse stage's own noise gate
     consumer = kafka_clients.consumer(
@@ -273,14 +273,17 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
     runs the worker's parsing and aggregation and the actuator's planning and circuit breaker in
     dry-run with the records' timestamps as the clock, and changes nothing anywhere.
     """
-    from pipeline import replay as core
     from pipeline.commands.status import _settings, sentences
     from pipeline.detection.catalog import Catalog, CatalogError
+    from pipeline.replay.config import ReplayConfig
+    from pipeline.replay.report import report
+    from pipeline.replay.run import simulate
+    from pipeline.replay.window import WindowError, make_window, merged
 
     now = time.time()
     try:
-        window = core.make_window(since, until, now)
-    except core.WindowError as exc:
+        window = make_window(since, until, now)
+    except WindowError as exc:
         raise click.ClickException(f"bad --since/--until: {exc}.") from None
     candidate = _load_policy(policy_file, "policy")
     if catalog_overrides is not None:
@@ -333,11 +336,11 @@ def replay(policy_file: str, since: str, until: str | None, catalog_overrides: s
             f"none of the raw topics exists on Kafka ({', '.join(topics.raw_inputs)}); is XIDFLOW_TOPIC_PREFIX right?")
     common["fleet_labels"] = cluster.labels
     with sentences():
-        records = list(core.merged(history.partitions))
-        cand = core.simulate(records, core.ReplayConfig(policies=candidate, catalog_overrides=catalog_overrides,
+        records = list(merged(history.partitions))
+        cand = simulate(records, ReplayConfig(policies=candidate, catalog_overrides=catalog_overrides,
                                                          **common), window)
-        base = core.simulate(records, core.ReplayConfig(policies=baseline, **common), window)
-    rep = core.report(
+        base = simulate(records, ReplayConfig(policies=baseline, **common), window)
+    rep = report(
         cand, base, window=window, policy=policy_file, baseline_source=baseline_source,
         catalog=(f"{catalog_overrides} (--catalog-overrides)" if catalog_overrides
                  else "the catalog in force" + (" (XIDFLOW_CATALOG_OVERRIDES)"

@@ -45,7 +45,7 @@ class ShippedLine:
     line: Any  # the adapter rejects anything but a string, with a reason
     shipper: str
     node: str | None = None
-    ts: Any = None  # raw: epoch numbers/strings or ISO 8601 (adapters.parse_timestamp), or a datetime
+    ts: Any = None  # raw: epoch numbers/strings or ISO 8601 (record_fields.parse_timestamp), or a datetime
     kernel: bool = False  # the record itself says it is a kernel line
     namespace: str | None = None
     pod: str | None = None

@@ -8,7 +8,8 @@ import orjson
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.ingest.adapters import decode_record, parse_timestamp, source_for_topic
+from pipeline.ingest.adapters import decode_record
+from pipeline.ingest.record_fields import parse_timestamp, source_for_topic
 from schemas.records import DeadLetter, LogRecord, Source
 
 XID = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."

@@ -9,10 +9,15 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
-from pipeline import replay as core
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.cli import cli
+from pipeline.replay.config import ReplayConfig
+from pipeline.replay.outcome import Simulation
+from pipeline.replay.report import node_rows, part_rows, trip_rows
+from pipeline.replay.report import report as full_report
+from pipeline.replay.run import simulate
+from pipeline.replay.window import RawLog, Window, WindowError, make_window, merged, parse_bound
 
 T0 = 1_790_000_000.0  # a fixed "now" (2026-09-21): record time is the clock, not the wall clock
 X79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
@@ -48,13 +53,13 @@ class Log:
     """Raw records as Fluent Bit's kmsg input ships them, keyed by node, with an offset per partition."""
 
     def __init__(self) -> None:
-        self.records: list[core.RawLog] = []
+        self.records: list[RawLog] = []
 
     def kmsg(self, node: str, line: str, ts: float, repeat: int = 1) -> None:
         for i in range(repeat):
             at = ts + i * 0.001
             value = orjson.dumps({"priority": 3, "sec": 1, "usec": 0, "msg": line, "@timestamp": at})
-            self.records.append(core.RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value,
+            self.records.append(RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value,
                                             int(at * 1000)))
 
     def health(self, node: str, boot_id: str, ts: float) -> None:
@@ -64,22 +69,22 @@ class Log:
 
         value = HealthCheckResult(node=node, check="gpu_count", passed=True, message="ok", boot_id=boot_id,
                                   ts=datetime.fromtimestamp(ts, UTC)).to_bytes()
-        self.records.append(core.RawLog("gpu.health.checks", 0, len(self.records), node.encode(), value,
+        self.records.append(RawLog("gpu.health.checks", 0, len(self.records), node.encode(), value,
                                         int(ts * 1000)))
 
     def noise(self, node: str, ts: float) -> None:
         value = orjson.dumps({"priority": 6, "sec": 1, "usec": 0, "msg": "eth0: link up", "@timestamp": ts})
-        self.records.append(core.RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value, int(ts * 1000)))
+        self.records.append(RawLog("gpu.logs.kernel", 0, len(self.records), node.encode(), value, int(ts * 1000)))
 
 
-def run(records: Iterable[core.RawLog], policies: PolicySet, since: float = T0 - 7 * 86400, until: float = T0,
-        **config: object) -> core.Simulation:
-    cfg = core.ReplayConfig(policies=policies, **config)  # type: ignore[arg-type]
-    return core.simulate(sorted(records, key=lambda r: r.timestamp), cfg, core.Window(since, until))
+def run(records: Iterable[RawLog], policies: PolicySet, since: float = T0 - 7 * 86400, until: float = T0,
+        **config: object) -> Simulation:
+    cfg = ReplayConfig(policies=policies, **config)  # type: ignore[arg-type]
+    return simulate(sorted(records, key=lambda r: r.timestamp), cfg, Window(since, until))
 
 
-def report(cand: core.Simulation, base: core.Simulation) -> dict:
-    return core.report(cand, base, window=core.Window(T0 - 86400, T0), policy="candidate.yaml",
+def report(cand: Simulation, base: Simulation) -> dict:
+    return full_report(cand, base, window=Window(T0 - 86400, T0), policy="candidate.yaml",
                        baseline_source="built-in", catalog="in force", topics=["gpu.logs.kernel"])
 
 
@@ -128,7 +133,7 @@ def test_a_storm_trips_the_breaker_and_says_when_and_how_many_nodes_were_refused
     assert quarantined == {"node-0", "node-1"}
     # A refused node still gets what runs while the breaker is open (the Event, telling the pods), nothing else.
     assert {t.action for t in cand.taken if t.node == "node-5"} == {"event", "notifyWorkload"}
-    rows = core.trip_rows(cand, "candidate")
+    rows = trip_rows(cand, "candidate")
     assert rows[0]["nodes_refused"] == 4 and "2 of 4" not in rows[0]["reason"] and "limit 50%" in rows[0]["reason"]
 
 
@@ -152,20 +157,20 @@ def test_since_excludes_older_records_and_until_newer_ones() -> None:
     assert sim.records == 1 and sim.outside_window == 2
 
     now = T0
-    assert core.make_window("7d", None, now) == core.Window(now - 7 * 86400, now)
-    assert core.make_window("2026-09-21T00:00:00Z", "1h", now).until == now - 3600
-    assert core.parse_bound("2026-09-21T00:00:00", now) == core.parse_bound("2026-09-21T00:00:00+00:00", now)
+    assert make_window("7d", None, now) == Window(now - 7 * 86400, now)
+    assert make_window("2026-09-21T00:00:00Z", "1h", now).until == now - 3600
+    assert parse_bound("2026-09-21T00:00:00", now) == parse_bound("2026-09-21T00:00:00+00:00", now)
     for bad in ("7 days", "-3d", "yesterday", ""):
-        with pytest.raises(core.WindowError):
-            core.make_window(bad, None, now)
-    with pytest.raises(core.WindowError, match="not after"):
-        core.make_window("1h", "2h", now)
+        with pytest.raises(WindowError):
+            make_window(bad, None, now)
+    with pytest.raises(WindowError, match="not after"):
+        make_window("1h", "2h", now)
 
 
 def test_records_of_several_partitions_are_merged_in_time_order_each_keeping_its_own() -> None:
-    a = [core.RawLog("t", 0, i, b"n", b"x", ts) for i, ts in enumerate((1, 5, 9))]
-    b = [core.RawLog("t", 1, i, b"m", b"x", ts) for i, ts in enumerate((2, 3, 10))]
-    assert [(r.partition, r.offset) for r in core.merged([a, b])] == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2)]
+    a = [RawLog("t", 0, i, b"n", b"x", ts) for i, ts in enumerate((1, 5, 9))]
+    b = [RawLog("t", 1, i, b"m", b"x", ts) for i, ts in enumerate((2, 3, 10))]
+    assert [(r.partition, r.offset) for r in merged([a, b])] == [(0, 0), (1, 0), (1, 1), (0, 1), (0, 2), (1, 2)]
 
 
 def test_node_selectors_and_opt_out_read_the_fleet_labels() -> None:
@@ -251,7 +256,7 @@ def test_an_invalid_setting_is_named_before_anything_connects(policy_file) -> No
 
 
 def test_a_node_recovered_after_its_reboot_no_longer_counts_for_the_breaker() -> None:
-    def history(reboot: bool) -> list[core.RawLog]:
+    def history(reboot: bool) -> list[RawLog]:
         log = Log()
         log.health("node-0", "boot-1", T0 - 1000)
         log.kmsg("node-0", X79, T0 - 900)
@@ -294,8 +299,8 @@ def test_replay_shows_the_shared_part_the_policy_would_have_blamed() -> None:
             at = T0 - 3600 + i + k * 0.1
             value = orjson.dumps({"log": NCCL.format(node=node), "time": at,
                                   "kubernetes": {"host": node, "pod_name": "trainer", "namespace_name": "ml"}})
-            log.records.append(core.RawLog("gpu.logs.pods", 0, len(log.records), node.encode(), value, int(at * 1000)))
+            log.records.append(RawLog("gpu.logs.pods", 0, len(log.records), node.encode(), value, int(at * 1000)))
     sim = run(log.records, policy, fleet_labels=labels)
-    [part] = core.part_rows(sim)
+    [part] = part_rows(sim)
     assert part["part"] == "example.com/ib-switch=leaf-7" and part["nodes"] == ["n0", "n1", "n2", "n3"]
-    assert part["faults"] == ["nccl_transport"] and core.node_rows(sim) == []
+    assert part["faults"] == ["nccl_transport"] and node_rows(sim) == []
