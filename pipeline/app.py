@@ -28,6 +28,7 @@ import mode
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.aggregate.copartition import NODE_STATE_TABLE, ticks_topic_name
 from pipeline.aggregate.settings import AggregationSettings
 from pipeline.detection.parse_settings import PRODUCER_BATCH_BYTES, ParseSettings
 from pipeline.detection.parse_stage import ParseStage
@@ -38,19 +39,6 @@ from pipeline.kafka.membership import faust_consumer, leave_on_close
 from pipeline.runtime.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
-
-
-def ticks_topic_name(app_id: str) -> str:
-    """The worker's own topic of quiet-period ticks (created by ``xidflow worker`` with the others)."""
-    return f"{app_id}-ticks"
-
-
-NODE_STATE_TABLE = "node-state"
-
-
-def changelog_topic_name(app_id: str) -> str:
-    """The node-state table's changelog topic (Faust's ``<app id>-<table>-changelog``)."""
-    return f"{app_id}-{NODE_STATE_TABLE}-changelog"
 
 
 def worker_topics(app_id: str, topics: TopicNames) -> list[str]:

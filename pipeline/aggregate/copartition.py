@@ -15,14 +15,25 @@ from __future__ import annotations
 from pipeline.kafka import clients as kafka_clients
 
 
+def ticks_topic_name(app_id: str) -> str:
+    """The worker's own topic of quiet-period ticks (created by ``xidflow worker``; ``pipeline.app`` declares it)."""
+    return f"{app_id}-ticks"
+
+
+NODE_STATE_TABLE = "node-state"
+
+
+def changelog_topic_name(app_id: str) -> str:
+    """The node-state table's changelog topic (Faust's ``<app id>-<table>-changelog``)."""
+    return f"{app_id}-{NODE_STATE_TABLE}-changelog"
+
+
 class CopartitionError(Exception):
     """The co-partitioned topics have different partition counts."""
 
 
 def copartitioned_topics(app_id: str, fault_events: str) -> list[str]:
     """Topics that must share a partition count, the authoritative one (fault events) first."""
-    from pipeline.app import changelog_topic_name, ticks_topic_name
-
     return [fault_events, ticks_topic_name(app_id), changelog_topic_name(app_id)]
 
 
