@@ -96,7 +96,8 @@ def _map_error(exc: ApiException) -> Exception:
 API_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("xidflow_api_priority", default=1)
 """Priority of the API calls made in this context: lower goes first. The engine sets 0 while it takes a node
 out of scheduling (``Kube.quarantining``), so that in a storm every node is quarantined before Events and
-conditions are written; the breaker's admissions, which every quarantine waits for, run at -1."""
+conditions are written; the breaker's admissions, which every quarantine waits for, run at -1 (and have a
+slot of their own: ``PriorityLimiter``)."""
 
 _QUARANTINING: contextvars.ContextVar[PriorityLimiter | None] = contextvars.ContextVar(
     "xidflow_quarantining", default=None
@@ -116,11 +117,17 @@ class PriorityLimiter:
     While ``urgent`` flows are taking nodes out of scheduling, calls of priority 1 and up do not even
     queue for a slot (up to ``hold_s`` each): a slot they held would be one a taint waits for, and the
     API server's time they took would be the taints' too.
+
+    Calls of negative priority (the breaker's read-modify-write) may take one of ``reserve`` extra slots
+    when every regular slot is busy. Going first among the waiters is not enough for them: in a burst all
+    regular slots hold taint patches, so an admission waited for one of those to return (a whole API call,
+    about 240 ms in a profile of a 500-node burst) while every taint of its batch waited for the admission.
     """
 
-    def __init__(self, limit: int, hold_s: float = URGENT_HOLD_S) -> None:
+    def __init__(self, limit: int, hold_s: float = URGENT_HOLD_S, reserve: int = 1) -> None:
         self._free = limit
-        self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._reserve_free = reserve
+        self._waiters: list[tuple[int, int, asyncio.Future[bool]]] = []
         self._seq = itertools.count()
         self.hold_s = hold_s
         self.urgent = 0
@@ -135,29 +142,41 @@ class PriorityLimiter:
         else:
             self._calm.set()
 
-    async def acquire(self, priority: int) -> None:
+    async def acquire(self, priority: int) -> bool:
+        """Wait for a slot; True when it is a reserved one (hand that back to ``release``)."""
         if priority >= 1 and self.urgent:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._calm.wait(), self.hold_s)
         if self._free > 0 and not self._waiters:
             self._free -= 1
-            return
-        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            return False
+        if priority < 0 and self._reserve_free > 0:
+            self._reserve_free -= 1
+            return True
+        fut: asyncio.Future[bool] = asyncio.get_running_loop().create_future()
         heapq.heappush(self._waiters, (priority, next(self._seq), fut))
         try:
-            await fut
+            return await fut
         except asyncio.CancelledError:
             if fut.done() and not fut.cancelled():
-                self.release()  # we were handed the slot just as we were cancelled: pass it on
+                self.release(fut.result())  # we were handed the slot just as we were cancelled: pass it on
             raise
 
-    def release(self) -> None:
-        while self._waiters:
+    def release(self, reserved: bool = False) -> None:
+        """Hand a slot back: to the first waiter (a reserved one only to a negative-priority waiter)."""
+        while self._waiters and (not reserved or self._waiters[0][0] < 0):
             _, _, fut = heapq.heappop(self._waiters)
             if not fut.done():
-                fut.set_result(None)
+                fut.set_result(reserved)
                 return
-        self._free += 1
+        if reserved:
+            self._reserve_free += 1
+        else:
+            self._free += 1
+
+
+_RESERVED_SLOTS = 1
+"""Calls a Kube may make beyond its concurrency, for negative priority only (the breaker flushes one at a time)."""
 
 
 def _abort(response: Any) -> None:
@@ -178,18 +197,21 @@ class Kube:
         self, api_client: client.ApiClient, concurrency: int = 32, request_timeout: tuple[float, float] = (5, 60)
     ) -> None:
         self.api_client = api_client
-        # One connection per call thread, plus the long-lived watches (nodes, policies) that hold one each:
+        # One connection per call thread (the reserved slot's too), plus the long-lived watches (nodes,
+        # policies) that hold one each:
         # with only ``concurrency`` connections a busy pool discards one at every return and the next call
         # pays a new TLS handshake (seen in a profile of a burst on a 10,000-node fleet).
-        api_client.configuration.connection_pool_maxsize = max(concurrency, 4) + 4
+        api_client.configuration.connection_pool_maxsize = max(concurrency, 4) + _RESERVED_SLOTS + 4
         # The pool was built with the old size when the client was made; rebuild it.
         api_client.rest_client = type(api_client.rest_client)(api_client.configuration)
         self.core = client.CoreV1Api(api_client)
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.ext = client.ApiextensionsV1Api(api_client)
-        self._pool = ThreadPoolExecutor(max_workers=concurrency, thread_name_prefix="kube")
-        self._limiter = PriorityLimiter(concurrency)
+        self._limiter = PriorityLimiter(concurrency, reserve=_RESERVED_SLOTS)
+        # A thread for every slot, the reserved one too: a reserved call queued behind busy threads
+        # would wait just as long as one queued for a regular slot.
+        self._pool = ThreadPoolExecutor(max_workers=concurrency + _RESERVED_SLOTS, thread_name_prefix="kube")
         # (connect, read) seconds: without it a stalled connection would hold a worker thread forever;
         # a timeout surfaces as KubeUnavailable and the record is retried.
         self.request_timeout = request_timeout
@@ -228,7 +250,7 @@ class Kube:
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
-        await self._limiter.acquire(API_PRIORITY.get())
+        reserved = await self._limiter.acquire(API_PRIORITY.get())
         try:
             resp = await loop.run_in_executor(
                 self._pool,
@@ -239,7 +261,7 @@ class Kube:
         except (urllib3.exceptions.HTTPError, OSError) as exc:
             raise KubeUnavailable(str(exc)) from None
         finally:
-            self._limiter.release()
+            self._limiter.release(reserved)
         data = resp.data
         return orjson.loads(data) if data else None
 

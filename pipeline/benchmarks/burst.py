@@ -140,6 +140,53 @@ class Proc:
         return self.log.read_text(errors="replace")[-2000:] if self.log.exists() else ""
 
 
+class IncidentTail:
+    """A consumer on the incidents topic from its end (a task): when each node's incident became readable.
+
+    The incidents' own timestamps say when the worker handed them to its producer, not when a consumer
+    could read them: a profile of the 500-node burst showed both actuators receiving most incidents in
+    one lump 400-600 ms after those timestamps. This tail puts that delay in the worker's share
+    (``<prefix>_delivery_*``) instead of the actuator's.
+    """
+
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.seen: dict[str, float] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from aiokafka import TopicPartition
+
+        consumer = kafka_clients.consumer(
+            bootstrap=self.world.bootstrap, enable_auto_commit=False, group_id=None, fetch_max_wait_ms=50
+        )
+        await consumer.start()
+        tps = [TopicPartition(self.world.topics.name("incidents"), p) for p in range(self.world.partitions)]
+        consumer.assign(tps)
+        await consumer.seek_to_end(*tps)
+        for tp in tps:
+            await consumer.position(tp)  # resolved now, before the clock starts
+        self._task = asyncio.create_task(self._run(consumer))
+
+    async def _run(self, consumer: Any) -> None:
+        try:
+            while True:
+                batches = await consumer.getmany(timeout_ms=100)
+                now = time.time()
+                for records in batches.values():
+                    for rec in records:
+                        if rec.key:
+                            self.seen.setdefault(rec.key.decode(), now)
+        finally:
+            await consumer.stop()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KafkaError):
+                await self._task
+
+
 class NodeWatch:
     """A watch on the scenario's nodes (a thread): when each node's quarantine taint was first seen."""
 
@@ -481,6 +528,7 @@ async def run_scenario(
     sent: dict[str, float] = {}
     extra: dict[str, Any] = {}
     watch: NodeWatch | None = None
+    tail: IncidentTail | None = None
     try:
         progress(f"{prefix}: setup", 0, 1)
         await world.setup()
@@ -491,6 +539,8 @@ async def run_scenario(
             extra.update(await before(world))
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
+        tail = IncidentTail(world)
+        await tail.start()
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
         topic = world.topics.name("logs_kernel")
         cpu_before = cpu_seconds(world)
@@ -522,7 +572,8 @@ async def run_scenario(
         extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
         stages = stage_split(
-            prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events")
+            prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events"),
+            delivered=tail.seen,
         )
         if after is not None:
             extra.update(await after(world))
@@ -538,6 +589,8 @@ async def run_scenario(
     finally:
         if watch is not None:
             watch.stop()
+        if tail is not None:
+            await tail.stop()
         await producer.stop()
         await world.teardown()
 
@@ -547,8 +600,10 @@ def cpu_seconds(world: World) -> dict[str, tuple[int, float]]:
     out = {"bench": (os.getpid(), sum(os.times()[:2]))}
     for name, proc in world.procs.items():
         if proc.alive() and proc.proc is not None:
+            # The supervised child does the work; the supervisor itself only waits for it.
             with contextlib.suppress(OSError):
-                out[name] = (proc.proc.pid, procstat.read(proc.proc.pid).cpu_s)
+                pid = proc.work_pid()
+                out[name] = (pid, procstat.read(pid).cpu_s)
     return out
 
 
@@ -637,19 +692,26 @@ def stage_split(
     incident: dict[str, float],
     tainted: dict[str, float],
     fault: dict[str, float] | None = None,
+    delivered: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """Where the time went: line -> incident produced (worker), incident -> taint seen (actuator + API).
 
     With ``fault`` (node -> its fault event's timestamp) the worker's share is split too: line -> fault
-    event produced (``parse``), fault event -> incident produced (``aggregate``).
+    event produced (``parse``), fault event -> incident produced (``aggregate``). With ``delivered``
+    (node -> when a consumer could first read its incident): line -> incident readable (``delivery``;
+    the worker's share as a consumer sees it) and incident readable -> taint seen (``apply``; the
+    actuators' and the API server's share).
     """
-    fault = fault or {}
+    fault, delivered = fault or {}, delivered or {}
     worker = sorted((incident[n] - t) * 1000 for n, t in sent.items() if n in incident)
     actuator = sorted((tainted[n] - incident[n]) * 1000 for n in sent if n in incident and n in tainted)
     parse = sorted((fault[n] - t) * 1000 for n, t in sent.items() if n in fault)
     aggregate = sorted((incident[n] - fault[n]) * 1000 for n in sent if n in fault and n in incident)
     out: dict[str, Any] = {}
-    stages = (("worker", worker), ("actuator", actuator), ("parse", parse), ("aggregate", aggregate))
+    delivery = sorted((delivered[n] - t) * 1000 for n, t in sent.items() if n in delivered)
+    apply = sorted((tainted[n] - delivered[n]) * 1000 for n in sent if n in delivered and n in tainted)
+    stages = (("worker", worker), ("actuator", actuator), ("parse", parse), ("aggregate", aggregate),
+              ("delivery", delivery), ("apply", apply))
     for name, values in stages:
         if values:
             out[f"{prefix}_{name}_p50_ms"] = round(percentile(values, 0.50), 1)

@@ -229,6 +229,28 @@ async def test_priority_limiter_serves_quarantine_calls_first() -> None:
     assert order == ["cordon", "event-1", "event-2"]
 
 
+async def test_breaker_calls_have_a_slot_of_their_own_when_every_slot_is_busy() -> None:
+    import asyncio
+
+    from pipeline.actuator.kube import PriorityLimiter
+
+    limiter = PriorityLimiter(1, reserve=1)
+    assert await limiter.acquire(0) is False  # a taint holds the only regular slot
+    assert await asyncio.wait_for(limiter.acquire(-1), 1) is True  # the admission does not wait for it
+    second = asyncio.create_task(limiter.acquire(-1))  # the reserve is one slot: a second one queues
+    taint = asyncio.create_task(limiter.acquire(0))
+    await asyncio.sleep(0.01)
+    assert not second.done() and not taint.done()
+    limiter.release(reserved=True)  # the reserved slot goes to the queued admission, never to the taint
+    assert await asyncio.wait_for(second, 1) is True
+    limiter.release(reserved=True)
+    await asyncio.sleep(0.01)
+    assert not taint.done()  # nobody else asks for the reserve: it is kept
+    limiter.release()  # the regular slot
+    assert await asyncio.wait_for(taint, 1) is False
+    assert await asyncio.wait_for(limiter.acquire(-1), 1) is True  # the reserve is free again
+
+
 async def test_other_calls_wait_while_nodes_are_taken_out_of_scheduling_but_not_for_ever() -> None:
     import asyncio
 
