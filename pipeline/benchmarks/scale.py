@@ -44,7 +44,9 @@ import orjson
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
-from pipeline.benchmarks.burst import TAINT_KEY, World, run_scenario
+from pipeline.benchmarks.burst import run_scenario
+from pipeline.benchmarks.burst_watch import TAINT_KEY
+from pipeline.benchmarks.burst_world import World
 from pipeline.benchmarks.storm import raw_quarantine_rate
 
 REBALANCE_MARKS = (b"because it is rebalancing", b"member_id was not recognized", b"session expired",
@@ -56,7 +58,8 @@ RESYNC_S = 10.0
 
 
 def _actuator_pids(world: World) -> dict[str, int]:
-    return {n: p.proc.pid for n, p in world.procs.items() if n.startswith("actuator") and p.proc is not None}
+    # The supervised child does the work (and holds the memory): the supervisor itself only waits.
+    return {n: p.work_pid() for n, p in world.procs.items() if n.startswith("actuator") and p.proc is not None}
 
 
 async def _cli(world: World, *args: str) -> tuple[float, bytes]:

@@ -230,7 +230,9 @@ async def run_soak(
     with log_path.open("wb") as out:
         proc = subprocess.Popen(  # noqa: ASYNC220 - started once; the soak watches it for its whole run
             [sys.executable, "-m", "pipeline.cli", "worker", "--bootstrap", bootstrap, "--app-id", app_id,
-             "--partitions", str(partitions), "--session-timeout", "10", "--loglevel", "warning"],
+             "--partitions", str(partitions), "--session-timeout", "10", "--loglevel", "warning",
+             # One process: the RSS and the allocation trace read are the worker's own, not a supervisor's.
+             "--no-supervise"],
             cwd=REPO, env=env, stdout=out, stderr=subprocess.STDOUT,
         )
 

@@ -20,7 +20,7 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, publish
-from pipeline.benchmarks.burst import NodeWatch
+from pipeline.benchmarks.burst_watch import NodeWatch
 from pipeline.kafka.admin import ensure_topics
 from pipeline.runtime.settings import KafkaSettings, TopicNames
 

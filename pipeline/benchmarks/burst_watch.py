@@ -1,0 +1,142 @@
+"""What the burst benchmarks look at: the fatal line they send, the watches that see its effects, the statistics.
+
+``NodeWatch`` sees each node's quarantine taint appear (the latency's end), ``ConditionWatch`` its
+conditions (when the actuators have settled). Used by ``pipeline.benchmarks.burst`` (the scenarios),
+``pipeline.benchmarks.burst_world`` (the processes they run, and ``IncidentTail``) and the storm and
+scale benches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from typing import Any
+
+import orjson
+
+from pipeline.actuator.kube import Kube
+
+FATAL_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
+TAINT_KEY = "nvidia.com/gpu-fault"
+SLOW_MS = 5000.0
+PACE_S = 0.15
+"""Seconds between two paced lines in the rolling scenario (its N nodes last N x 0.15 seconds)."""
+
+
+def kmsg(line: str, node: str, seq: int) -> bytes:
+    """A Fluent Bit kmsg-input record as its Kafka output writes it (format json)."""
+    return orjson.dumps(
+        {"priority": 2, "sequence": seq, "sec": 1000 + seq, "usec": 0, "msg": line, "hostname": node,
+         "@timestamp": time.time()}
+    )
+
+
+def percentile(sorted_values: list[float], q: float) -> float:
+    index = min(len(sorted_values) - 1, max(0, round(q * (len(sorted_values) - 1))))
+    return sorted_values[index]
+
+
+def summarize(prefix: str, latencies_ms: list[float], expected: int) -> dict[str, Any]:
+    """``<prefix>_p50_ms``, ``_p99_ms``, ``_max_ms``, ``_samples``, ``_missing``, ``_over_5s``."""
+    values = sorted(latencies_ms)
+    out: dict[str, Any] = {
+        f"{prefix}_samples": len(values),
+        f"{prefix}_missing": expected - len(values),
+        f"{prefix}_over_5s": sum(v > SLOW_MS for v in values) + (expected - len(values)),
+    }
+    if values:
+        out.update(
+            {
+                f"{prefix}_p50_ms": round(percentile(values, 0.50), 1),
+                f"{prefix}_p99_ms": round(percentile(values, 0.99), 1),
+                f"{prefix}_max_ms": round(values[-1], 1),
+            }
+        )
+    return out
+
+
+class NodeWatch:
+    """A watch on the scenario's nodes (a thread): when each node's quarantine taint was first seen."""
+
+    def __init__(self, kube: Kube, selector: str, resource_version: str) -> None:
+        self.kube, self.selector, self.rv = kube, selector, resource_version
+        self.tainted: dict[str, float] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="bench-node-watch", daemon=True)
+        self._resp: Any = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._resp = self.kube.core.list_node(
+                    watch=True,
+                    label_selector=self.selector,
+                    resource_version=self.rv,
+                    allow_watch_bookmarks=True,
+                    timeout_seconds=300,
+                    _preload_content=False,
+                )
+                buffer = b""
+                for chunk in self._resp.stream(65536, decode_content=True):
+                    buffer += chunk
+                    *lines, buffer = buffer.split(b"\n")
+                    now = time.time()
+                    for line in lines:
+                        if line.strip():
+                            self._event(orjson.loads(line), now)
+                    if self._stop.is_set():
+                        return
+            except Exception:  # noqa: BLE001 - a dropped watch is resumed from the last version
+                if self._stop.is_set():
+                    return
+                time.sleep(0.1)
+
+    def _event(self, event: dict[str, Any], now: float) -> None:
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        if meta.get("resourceVersion"):
+            self.rv = meta["resourceVersion"]
+        if event.get("type") not in ("ADDED", "MODIFIED"):
+            return
+        name = meta.get("name")
+        taints = (obj.get("spec") or {}).get("taints") or []
+        if name and name not in self.tainted and any(t.get("key") == TAINT_KEY for t in taints):
+            self.tainted[name] = now
+
+    def stop(self) -> None:
+        """Stop at once. Closing the response waits until the reading thread's read returns: on a quiet
+        watch that is the next bookmark, up to a minute later, and the caller's event loop stood still
+        meanwhile (py-spy: the scale bench's steady state read 65 s at 10,000 nodes, 30 s of it here).
+        So the close happens on a thread of its own."""
+        self._stop.set()
+        if self._resp is not None:
+            threading.Thread(target=_close_quietly, args=(self._resp,), name="bench-watch-close", daemon=True).start()
+
+
+def _close_quietly(resp: Any) -> None:
+    with contextlib.suppress(Exception):
+        resp.close()
+
+
+def condition_types(node: dict[str, Any]) -> set[str]:
+    return {c.get("type") for c in (node.get("status") or {}).get("conditions") or []}
+
+
+class ConditionWatch(NodeWatch):
+    """A watch that removes a node from ``lacking`` once it carries every ``wanted`` condition type."""
+
+    def __init__(self, kube: Kube, selector: str, resource_version: str, wanted: set[str], lacking: set[str]) -> None:
+        super().__init__(kube, selector, resource_version)
+        self.wanted, self.lacking = wanted, lacking
+
+    def _event(self, event: dict[str, Any], now: float) -> None:
+        obj = event.get("object") or {}
+        meta = obj.get("metadata") or {}
+        if meta.get("resourceVersion"):
+            self.rv = meta["resourceVersion"]
+        if event.get("type") in ("ADDED", "MODIFIED") and self.wanted <= condition_types(obj):
+            self.lacking.discard(meta.get("name"))
