@@ -34,6 +34,7 @@ from pipeline.aggregate.rules import (
     max_severity,
     observe_boot,
     recover_after_reboot,
+    recovered,
     track_bursts,
 )
 from pipeline.aggregate.settings import AggregationSettings
@@ -46,7 +47,6 @@ from schemas.records import (
     FaultEvent,
     FaultKind,
     NodeIncident,
-    NodeRecovered,
     SignalGrade,
     stable_id,
 )
@@ -187,16 +187,7 @@ class Aggregator:
         if passed:
             inc = state.incidents.pop(group, None)
             if inc is not None:
-                outputs.append(
-                    NodeRecovered(
-                        incident_id=inc.incident_id,
-                        node=state.node,
-                        reason="quiet",
-                        boot_id=state.boot_id,
-                        recovered_at=utc(now),
-                        detail=f"health check {check} passed again",
-                    )
-                )
+                outputs.append(recovered(state, inc, "quiet", now, f"health check {check} passed again"))
             return outputs
         outputs += self._fault(state, event, now)
         return outputs

@@ -17,8 +17,10 @@ way; wall-clock ``now`` drives the quiet period. Pure: no Faust, no I/O.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pipeline.aggregate.settings import AggregationSettings
-from pipeline.aggregate.state import BurstTrack, NodeState, utc
+from pipeline.aggregate.state import BurstTrack, NodeState, OpenIncident, utc
 from pipeline.detection.catalog import Catalog
 from schemas.records import Action, FaultEvent, FaultKind, NodeIncident, NodeRecovered, Severity
 
@@ -32,6 +34,19 @@ XID_KINDS = frozenset({FaultKind.XID, FaultKind.GPU_FALLEN_OFF_BUS})
 
 
 # -- escalation -------------------------------------------------------------------------------
+
+
+def recovered(state: NodeState, inc: OpenIncident, reason: Literal["reboot", "quiet"], now: float, detail: str
+              ) -> NodeRecovered:
+    """The record that closes ``inc`` on ``state``'s node (pure)."""
+    return NodeRecovered(
+        incident_id=inc.incident_id,
+        node=state.node,
+        reason=reason,
+        boot_id=state.boot_id,
+        recovered_at=utc(now),
+        detail=detail,
+    )
 
 
 def track_bursts(
@@ -143,16 +158,8 @@ def recover_after_reboot(state: NodeState, now: float, settings: AggregationSett
         if inc.boot_id == state.boot_id:
             continue  # opened on the new boot: the reboot did not fix it
         del state.incidents[group]
-        outputs.append(
-            NodeRecovered(
-                incident_id=inc.incident_id,
-                node=state.node,
-                reason="reboot",
-                boot_id=state.boot_id,
-                recovered_at=utc(now),
-                detail=f"new boot {state.boot_id}; checks passed: {', '.join(sorted(checks))}",
-            )
-        )
+        detail = f"new boot {state.boot_id}; checks passed: {', '.join(sorted(checks))}"
+        outputs.append(recovered(state, inc, "reboot", now, detail))
     state.rebooted = False
     return outputs
 
@@ -170,14 +177,7 @@ def close_quiet(state: NodeState, now: float, settings: AggregationSettings) -> 
         if quiet_for >= settings.quiet_period_s:
             del state.incidents[group]
             outputs.append(
-                NodeRecovered(
-                    incident_id=inc.incident_id,
-                    node=state.node,
-                    reason="quiet",
-                    boot_id=state.boot_id,
-                    recovered_at=utc(now),
-                    detail=f"{inc.signature} quiet for {quiet_for:.0f}s",
-                )
+                recovered(state, inc, "quiet", now, f"{inc.signature} quiet for {quiet_for:.0f}s")
             )
     return outputs
 
