@@ -30,6 +30,7 @@ from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, kmsg, wait_ready
+from tests.processes import gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -55,20 +56,6 @@ async def _replaced(pid: int, old: int, within_s: float = 60) -> int:
             return children[0]
         await asyncio.sleep(0.05)
     raise AssertionError(f"supervisor {pid} did not replace child {old} within {within_s:.0f}s")
-
-
-def _gone(pid: int, within_s: float = 10) -> bool:
-    """The process ended (a zombie waiting for init runs nothing)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
 
 
 async def _taints(env: Env, node: str) -> list[dict[str, Any]]:
@@ -143,7 +130,7 @@ async def test_children_sigkilled_mid_burst_are_replaced_and_nothing_is_lost_or_
         reps.kill("act-a")
         worker.kill()
         for name in ("worker", "act-a"):
-            assert _gone(second[name]), f"{name}'s child {second[name]} outlived its SIGKILLed supervisor"
+            assert gone(second[name]), f"{name}'s child {second[name]} outlived its SIGKILLed supervisor"
     finally:
         reps.stop()
         worker.stop()

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.runtime.supervisor import CrashLoop, child_pids, describe_status, exit_code, parse_ppid
+from tests.processes import gone
 
 linux = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 
@@ -89,20 +90,6 @@ def _children(marks: Path, count: int, proc: subprocess.Popen[bytes]) -> list[in
     raise AssertionError(f"fewer than {count} children within 30 s")
 
 
-def _gone(pid: int, within_s: float = 10) -> bool:
-    """The process ended (a zombie waiting for init counts: it runs nothing)."""
-    deadline = time.monotonic() + within_s
-    while time.monotonic() < deadline:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        if state in ("Z", "X"):
-            return True
-        time.sleep(0.05)
-    return False
-
-
 @linux
 def test_crashed_children_are_replaced_and_sigterm_ends_the_last_one(tmp_path: Path) -> None:
     proc, marks = _start(tmp_path, "crash")
@@ -116,7 +103,7 @@ def test_crashed_children_are_replaced_and_sigterm_ends_the_last_one(tmp_path: P
         out = proc.communicate(timeout=30)[0].decode()
         assert proc.returncode == 128 + signal.SIGTERM  # the child's status: it died of the forwarded SIGTERM
         assert "restart 2 (crash 2 in a row), next child in 0.1 s" in out, out
-        assert _gone(third)
+        assert gone(third)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -130,7 +117,7 @@ def test_sigkill_of_the_supervisor_leaves_no_orphan(tmp_path: Path) -> None:
         child = _children(marks, 1, proc)[0]
         proc.kill()
         proc.wait(10)
-        assert _gone(child), f"child {child} outlived its SIGKILLed supervisor"
+        assert gone(child), f"child {child} outlived its SIGKILLed supervisor"
     finally:
         if proc.poll() is None:
             proc.kill()
