@@ -28,6 +28,15 @@ from schemas.records import FabricSignal, Outcome
 log = logging.getLogger("xidflow.actuator")
 
 
+ACTUATOR_TOPICS = ("incidents", "remediation_requests", "fabric_signals", "remediation_audit", "deadletter")
+"""The topics an actuator reads (incidents, rescue requests, fabric signals) and writes (audit, dead letters)."""
+
+
+def actuator_topics(topics: TopicNames) -> list[str]:
+    """The names of ``ACTUATOR_TOPICS`` under ``topics``: what must exist before an actuator starts."""
+    return [topics.name(n) for n in ACTUATOR_TOPICS]
+
+
 def manual_only_from_api_settings() -> bool:
     """The decision API's ``ApiSettings.manual_only`` (``XIDFLOW_API_MANUAL_ONLY``) when that module is present."""
     try:

@@ -151,11 +151,11 @@ class World:
         return [self.app_id, f"{self.app_id}-parse"] if proc.startswith("worker") else [self.actuator_group]
 
     async def setup(self) -> None:
+        from pipeline.actuator.app import actuator_topics
         from pipeline.app import worker_topics
 
         await ensure_topics(self.bootstrap, worker_topics(self.app_id, self.topics), self.partitions)
-        names = ("incidents", "remediation_requests", "remediation_audit", "deadletter")
-        await ensure_topics(self.bootstrap, [self.topics.name(n) for n in names], self.partitions)
+        await ensure_topics(self.bootstrap, actuator_topics(self.topics), self.partitions)
         fleet = [*self.names, *self.idle, *self.warm]
         start = time.monotonic()
         await create_nodes(self.kube, fleet, {"xidflow.bench/burst": self.tag}, gpu=True,

@@ -15,7 +15,7 @@ import time
 import uuid
 from typing import Any
 
-from pipeline.actuator.app import Actuator
+from pipeline.actuator.app import Actuator, actuator_topics
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
@@ -116,11 +116,7 @@ async def storm(
     calls: collections.Counter[str] = collections.Counter()
     tasks: list[asyncio.Task[None]] = []
     try:
-        await ensure_topics(
-            bootstrap,
-            [topics.name(n) for n in ("incidents", "remediation_requests", "remediation_audit", "deadletter")],
-            partitions,
-        )
+        await ensure_topics(bootstrap, actuator_topics(topics), partitions)
         await create_nodes(admin, names, fleet_label)
         for i in range(replicas):
             act = Actuator(
