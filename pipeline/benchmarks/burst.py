@@ -43,10 +43,13 @@ from pipeline.benchmarks.burst_watch import (
     FATAL_LINE,
     PACE_S,
     TAINT_KEY,
+    GroupWatch,
     NodeWatch,
     kmsg,
     percentile,
     summarize,
+    takeover_split,
+    unsettled_windows,
 )
 from pipeline.benchmarks.burst_world import IncidentTail, World
 from pipeline.kafka import clients as kafka_clients
@@ -299,36 +302,66 @@ async def lose(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
 
     ``takeover_s``: kill to every group Stable with the survivors holding the partitions; with
     ``session_timeout_s`` (the broker expires the dead member only after it) it bounds the figure.
+    Split by a ``GroupWatch`` (``takeover_split``): ``expired_s`` (kill to the coordinator expiring the
+    member: the session after its last heartbeat, up to ``heartbeat_interval_s`` before the kill) and
+    ``rebalanced_s`` (to the survivors holding every partition: their next heartbeat, rejoin, sync).
+    The rest of a line's wait after the takeover is the survivors' work: a worker's table recovery
+    and the backlog through the worker and the actuators to the API server.
     """
     from pipeline.runtime.settings import ConsumerGroupSettings
 
-    await asyncio.sleep(delay_s)
-    p = world.procs[proc]
-    start = time.monotonic()
-    p.lost = True
-    await p.signal(signal.SIGKILL)
-    survivors = [n for n, q in world.procs.items() if not q.lost and set(world.groups(n)) & set(world.groups(proc))]
-    await world.wait_members(survivors, limit_s=300)
-    await world.wait_assigned(world.groups(proc))
-    return {"takeover_s": round(time.monotonic() - start, 2),
-            "session_timeout_s": ConsumerGroupSettings().session_timeout_s}
+    group = ConsumerGroupSettings()
+    watch = GroupWatch(world.bootstrap, world.groups(proc))
+    await watch.start()
+    try:
+        await asyncio.sleep(delay_s)
+        p = world.procs[proc]
+        start, killed_at = time.monotonic(), time.time()
+        p.lost = True
+        await p.signal(signal.SIGKILL)
+        survivors = [n for n, q in world.procs.items() if not q.lost and set(world.groups(n)) & set(world.groups(proc))]
+        await world.wait_members(survivors, limit_s=300)
+        await world.wait_assigned(world.groups(proc))
+        takeover = round(time.monotonic() - start, 2)
+    finally:
+        samples = await watch.stop()
+    return {"takeover_s": takeover, **takeover_split(samples, proc, killed_at),
+            "session_timeout_s": group.session_timeout_s, "heartbeat_interval_s": group.heartbeat_interval_s}
 
 
 async def rolling_restart(world: World) -> dict[str, Any]:
-    """SIGTERM and restart each process in turn, each back in its groups before the next."""
-    await asyncio.sleep(1.0)
+    """SIGTERM and restart each process in turn, each back in its groups before the next.
+
+    A ``GroupWatch`` times each rebalance of the world's groups (``unsettled_windows``): every line on
+    a partition whose owner left (or is moving) waits at least that long under the eager protocol.
+    """
+    from pipeline.runtime.settings import ConsumerGroupSettings
+
+    groups = sorted({g for name in world.procs for g in world.groups(name)})
+    watch = GroupWatch(world.bootstrap, groups)
+    await watch.start()
     took: dict[str, dict[str, float]] = {}
-    for name, proc in world.procs.items():
-        before = await world.member_ids(name)
-        start = time.monotonic()
-        await proc.signal(signal.SIGTERM)
-        stopped = time.monotonic()
-        await proc.start()
-        await world.wait_members(list(world.procs), replaced=before)
-        # Profile: how long the orderly stop took, and the new process until every group is settled.
-        took[name] = {"stop_s": round(stopped - start, 2), "back_s": round(time.monotonic() - stopped, 2)}
-    await asyncio.sleep(1.0)
-    return {"rolling_restart_s": took}
+    try:
+        await asyncio.sleep(1.0)
+        for name, proc in world.procs.items():
+            before = await world.member_ids(name)
+            start = time.monotonic()
+            await proc.signal(signal.SIGTERM)
+            stopped = time.monotonic()
+            await proc.start()
+            await world.wait_members(list(world.procs), replaced=before)
+            # Profile: how long the orderly stop took, and the new process until every group is settled.
+            took[name] = {"stop_s": round(stopped - start, 2), "back_s": round(time.monotonic() - stopped, 2)}
+        await asyncio.sleep(1.0)
+    finally:
+        samples = await watch.stop()
+    windows = sorted((end - begin) * 1000 for _, begin, end in unsettled_windows(samples))
+    out: dict[str, Any] = {"rolling_restart_s": took, "rolling_rebalances": len(windows),
+                           "rolling_heartbeat_interval_s": ConsumerGroupSettings().heartbeat_interval_s}
+    if windows:
+        out["rolling_rebalance_p50_ms"] = round(percentile(windows, 0.5), 1)
+        out["rolling_rebalance_max_ms"] = round(windows[-1], 1)
+    return out
 
 
 async def burst(bootstrap: str, kubeconfig: str, nodes: int, progress: Any = None) -> dict[str, Any]:

@@ -1,16 +1,19 @@
 """What the burst benchmarks look at: the fatal line they send, the watches that see its effects, the statistics.
 
 ``NodeWatch`` sees each node's quarantine taint appear (the latency's end), ``ConditionWatch`` its
-conditions (when the actuators have settled). Used by ``pipeline.benchmarks.burst`` (the scenarios),
+conditions (when the actuators have settled), ``GroupWatch`` the consumer groups' rebalances (where a
+failover's or a rolling restart's time goes). Used by ``pipeline.benchmarks.burst`` (the scenarios),
 ``pipeline.benchmarks.burst_world`` (the processes they run, and ``IncidentTail``) and the storm and
 scale benches.
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import orjson
@@ -140,3 +143,100 @@ class ConditionWatch(NodeWatch):
             self.rv = meta["resourceVersion"]
         if event.get("type") in ("ADDED", "MODIFIED") and self.wanted <= condition_types(obj):
             self.lacking.discard(meta.get("name"))
+
+
+@dataclass(frozen=True)
+class GroupSample:
+    """One look at a consumer group: when (``time.time()``), its state, who held partitions."""
+
+    at: float
+    group: str
+    state: str
+    holders: frozenset[str]
+    """group.instance.id of each member with partitions assigned."""
+
+
+def unsettled_windows(samples: list[GroupSample]) -> list[tuple[str, float, float]]:
+    """(group, first look not Stable, first look Stable again) for each rebalance the looks saw. Pure.
+
+    The span is the rebalance as the group's members live it: from the coordinator starting it (a
+    LeaveGroup, a JoinGroup, a session expired) through the members learning of it at their next
+    heartbeat, rejoining and syncing. A rebalance still open at the last look is left out.
+    """
+    out: list[tuple[str, float, float]] = []
+    opened: dict[str, float] = {}
+    for s in sorted(samples, key=lambda s: s.at):
+        if s.state != "Stable":
+            opened.setdefault(s.group, s.at)
+        elif s.group in opened:
+            out.append((s.group, opened.pop(s.group), s.at))
+    return out
+
+
+def takeover_split(samples: list[GroupSample], lost: str, killed_at: float) -> dict[str, float]:
+    """Where a lost member's takeover time went, in seconds from the kill (its groups' looks). Pure.
+
+    ``expired_s``: until the last of its groups was seen rebalancing without it (the coordinator
+    expired its session: the session timeout after its last heartbeat, plus the coordinator's own
+    check); ``rebalanced_s``: until the last of them was Stable again with the survivors holding every
+    partition (the survivors' next heartbeat, their rejoin and sync). Empty when the looks never saw it.
+    """
+    expired: dict[str, float] = {}
+    settled: dict[str, float] = {}
+    for s in sorted(samples, key=lambda s: s.at):
+        if s.at < killed_at:
+            continue
+        gone = lost not in s.holders
+        if s.group not in expired and (s.state != "Stable" or gone):
+            expired[s.group] = s.at
+        if s.group in expired and s.group not in settled and s.state == "Stable" and gone and s.holders:
+            settled[s.group] = s.at
+    if not expired or set(settled) != set(expired):
+        return {}
+    return {"expired_s": round(max(expired.values()) - killed_at, 2),
+            "rebalanced_s": round(max(settled.values()) - killed_at, 2)}
+
+
+class GroupWatch:
+    """Looks at consumer groups every ``interval_s`` (a task, one admin client): ``samples``.
+
+    A rebalance lasts from tens of milliseconds to a heartbeat interval; a fresh client per look (a
+    connection and a metadata round trip) would blur it.
+    """
+
+    def __init__(self, bootstrap: str, groups: list[str], interval_s: float = 0.05) -> None:
+        self.bootstrap, self.groups, self.interval_s = bootstrap, groups, interval_s
+        self.samples: list[GroupSample] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        from pipeline.kafka import clients as kafka_clients
+
+        admin = kafka_clients.admin(self.bootstrap)
+        await admin.start()
+        self._task = asyncio.create_task(self._run(admin))
+
+    async def _run(self, admin: Any) -> None:
+        from aiokafka.errors import KafkaError
+
+        from pipeline.kafka.membership import describe_group
+
+        try:
+            while True:
+                for group in self.groups:
+                    before = time.time()
+                    with contextlib.suppress(KafkaError):
+                        view = await describe_group(self.bootstrap, group, admin)
+                        holders = frozenset(m.instance_id for m in view.members if m.partitions and m.instance_id)
+                        # The answer describes some moment of the round trip: its middle.
+                        self.samples.append(GroupSample((before + time.time()) / 2, group, view.state, holders))
+                await asyncio.sleep(self.interval_s)
+        finally:
+            await admin.close()
+
+    async def stop(self) -> list[GroupSample]:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        return self.samples

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from aiokafka import AIOKafkaConsumer
+from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.errors import for_code
 
 from pipeline.kafka import upstream
@@ -61,16 +62,26 @@ class GroupView:
         return next((m for m in self.members if m.instance_id == instance_id), None)
 
 
-async def describe_group(bootstrap: str, group: str) -> GroupView:
-    """The group's state and members, each with its group.instance.id and assigned partitions."""
+async def describe_group(bootstrap: str, group: str, admin: AIOKafkaAdminClient | None = None) -> GroupView:
+    """The group's state and members, each with its group.instance.id and assigned partitions.
+
+    ``admin``: a started admin client to ask with (left open); without one a client is made for the
+    question, which costs a connection and a metadata round trip: too coarse for a watch that samples a
+    rebalance every few tens of milliseconds (``pipeline.benchmarks.burst_watch.GroupWatch``).
+    """
+    if admin is not None:
+        return _group_view(group, await upstream.describe_groups(admin, group, await admin.find_coordinator(group)))
     from pipeline.kafka import clients as kafka_clients
-    admin = kafka_clients.admin(bootstrap)
-    await admin.start()
+    own = kafka_clients.admin(bootstrap)
+    await own.start()
     try:
-        node = await admin.find_coordinator(group)
-        groups = await upstream.describe_groups(admin, group, node)
+        groups = await upstream.describe_groups(own, group, await own.find_coordinator(group))
     finally:
-        await admin.close()
+        await own.close()
+    return _group_view(group, groups)
+
+
+def _group_view(group: str, groups: list[Any]) -> GroupView:
     for error_code, name, state, _ptype, _proto, members, _ops in groups:
         if name != group:
             continue

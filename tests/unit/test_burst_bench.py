@@ -1,6 +1,7 @@
 """The burst bench's pure helpers."""
 
 from pipeline.benchmarks.burst import cpu_spent, stage_split
+from pipeline.benchmarks.burst_watch import GroupSample, takeover_split, unsettled_windows
 
 
 def test_cpu_spent_counts_each_process_between_readings_and_leaves_out_a_restarted_one() -> None:
@@ -22,3 +23,34 @@ def test_stage_split_puts_the_wait_for_a_readable_incident_in_the_delivery_share
     assert out["burst_apply_p99_ms"] == 850.0  # a: 1000 - 150
     assert out["burst_apply_p50_ms"] == 400.0  # b: 1000 - 600 (the lower middle of two)
     assert "burst_delivery_p99_ms" not in stage_split("burst", sent, incident, tainted)
+
+
+def _looks(group: str, *looks: tuple[float, str, str]) -> list[GroupSample]:
+    """(at, state, holders separated by commas) -> the GroupWatch's samples of one group."""
+    return [GroupSample(at, group, state, frozenset(h for h in holders.split(",") if h))
+            for at, state, holders in looks]
+
+
+def test_unsettled_windows_span_each_rebalance_from_first_unsettled_look_to_stable_again() -> None:
+    samples = [
+        *_looks("act", (0.0, "Stable", "a,b"), (1.0, "PreparingRebalance", "a,b"), (1.2, "CompletingRebalance", ""),
+                (1.3, "Stable", "a"), (5.0, "PreparingRebalance", "a"), (5.4, "Stable", "a,b"),
+                (9.0, "PreparingRebalance", "a")),
+        *_looks("work", (0.5, "Stable", "w"), (0.7, "PreparingRebalance", "w"), (0.8, "Stable", "w")),
+    ]
+    windows = unsettled_windows(samples)
+    assert [(g, b, e) for g, b, e in windows] == [("work", 0.7, 0.8), ("act", 1.0, 1.3), ("act", 5.0, 5.4)]
+    # the rebalance still open at the last look (act at 9.0) is not a window
+
+
+def test_takeover_split_waits_for_every_group_of_the_lost_member() -> None:
+    samples = [
+        *_looks("w", (9.0, "Stable", "w0,w1"), (20.0, "Stable", "w0,w1"), (20.4, "PreparingRebalance", "w0,w1"),
+                (20.7, "Stable", "w0")),
+        *_looks("w-parse", (20.0, "Stable", "w0,w1"), (20.9, "PreparingRebalance", "w0"),
+                (21.5, "CompletingRebalance", ""), (21.6, "Stable", "w0")),
+    ]
+    split = takeover_split(samples, "w1", killed_at=10.0)
+    assert split == {"expired_s": 10.9, "rebalanced_s": 11.6}
+    # a group the looks never saw settle without the lost member says nothing
+    assert takeover_split(samples[:3], "w1", killed_at=10.0) == {}
