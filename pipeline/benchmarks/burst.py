@@ -281,20 +281,29 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1, child:
     """SIGKILL one replica mid-burst; seconds until it is back in its groups with the same identity.
 
     ``child``: kill the process that does the work (the supervisor forks its replacement); else the
-    whole ``xidflow`` process, started again at once (a container restart).
+    whole ``xidflow`` process, started again at once (a container restart). ``rebalances``: how many
+    its groups went through meanwhile (a ``GroupWatch``): a static member back within its session
+    takes its partitions back without one (KIP-345), so anything but 0 says the handover did not hold.
     """
-    await asyncio.sleep(delay_s)
-    p = world.procs[proc]
-    before = await world.member_ids(proc)
-    victim = p.work_pid() if child else None
-    start = time.monotonic()
-    if victim is not None and p.proc is not None and victim != p.proc.pid:
-        os.kill(victim, signal.SIGKILL)
-    else:
-        await p.signal(signal.SIGKILL)
-        await p.start()
-    await world.wait_members([proc], replaced=before)
-    return {"restart_s": round(time.monotonic() - start, 2)}
+    watch = GroupWatch(world.bootstrap, world.groups(proc))
+    await watch.start()
+    try:
+        await asyncio.sleep(delay_s)
+        p = world.procs[proc]
+        before = await world.member_ids(proc)
+        victim = p.work_pid() if child else None
+        start = time.monotonic()
+        if victim is not None and p.proc is not None and victim != p.proc.pid:
+            os.kill(victim, signal.SIGKILL)
+        else:
+            await p.signal(signal.SIGKILL)
+            await p.start()
+        await world.wait_members([proc], replaced=before)
+        back = round(time.monotonic() - start, 2)
+        await asyncio.sleep(0.5)  # a rebalance the rejoin started would show by now
+    finally:
+        samples = await watch.stop()
+    return {"restart_s": back, "rebalances": len(unsettled_windows(samples))}
 
 
 async def lose(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:
