@@ -255,7 +255,11 @@ class ConsumerGroupSettings(BaseSettings):
         "broker accepts group.min/max.session.timeout.ms (6 s to 30 min by default).",
     )
     heartbeat_interval_s: float = Field(
-        default=1.0, gt=0, description="Default 1. Heartbeat interval; at most a third of the session timeout."
+        default=0.3,
+        gt=0,
+        description="Default 0.3. Heartbeat interval; at most a third of the session timeout. A member learns of a "
+        "rebalance only from its next heartbeat, and the partitions that move wait until every member has: a "
+        "shorter interval shortens every rebalance (deploy/README.md, Failover).",
     )
     max_poll_interval_s: float = Field(
         default=300.0,
