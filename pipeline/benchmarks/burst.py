@@ -45,6 +45,7 @@ from pipeline.benchmarks.burst_watch import (
     TAINT_KEY,
     GroupWatch,
     NodeWatch,
+    first_unsettled,
     kmsg,
     percentile,
     summarize,
@@ -350,11 +351,12 @@ async def rolling_restart(world: World) -> dict[str, Any]:
     watch = GroupWatch(world.bootstrap, groups)
     await watch.start()
     took: dict[str, dict[str, float]] = {}
+    term_at: dict[str, float] = {}
     try:
         await asyncio.sleep(1.0)
         for name, proc in world.procs.items():
             before = await world.member_ids(name)
-            start = time.monotonic()
+            start, term_at[name] = time.monotonic(), time.time()
             await proc.signal(signal.SIGTERM)
             stopped = time.monotonic()
             await proc.start()
@@ -364,6 +366,12 @@ async def rolling_restart(world: World) -> dict[str, Any]:
         await asyncio.sleep(1.0)
     finally:
         samples = await watch.stop()
+    for name, at in term_at.items():
+        # SIGTERM to the first of its groups rebalancing: the orderly stop before its LeaveGroup, while
+        # its partitions are no longer read and not yet anyone else's.
+        left = first_unsettled(samples, world.groups(name), at)
+        if left is not None and name in took:
+            took[name]["leave_s"] = round(left - at, 2)
     windows = sorted((end - begin) * 1000 for _, begin, end in unsettled_windows(samples))
     out: dict[str, Any] = {"rolling_restart_s": took, "rolling_rebalances": len(windows),
                            "rolling_heartbeat_interval_s": ConsumerGroupSettings().heartbeat_interval_s}

@@ -173,6 +173,15 @@ def unsettled_windows(samples: list[GroupSample]) -> list[tuple[str, float, floa
     return out
 
 
+def first_unsettled(samples: list[GroupSample], groups: list[str], after: float) -> float | None:
+    """When the first of ``groups`` was first seen rebalancing after ``after`` (None: never). Pure.
+
+    After a member's SIGTERM: when its LeaveGroup reached the coordinator, i.e. how long its orderly
+    stop kept its partitions before handing them over.
+    """
+    return min((s.at for s in samples if s.group in groups and s.at > after and s.state != "Stable"), default=None)
+
+
 def takeover_split(samples: list[GroupSample], lost: str, killed_at: float) -> dict[str, float]:
     """Where a lost member's takeover time went, in seconds from the kill (its groups' looks). Pure.
 

@@ -1,7 +1,7 @@
 """The burst bench's pure helpers."""
 
 from pipeline.benchmarks.burst import cpu_spent, stage_split
-from pipeline.benchmarks.burst_watch import GroupSample, takeover_split, unsettled_windows
+from pipeline.benchmarks.burst_watch import GroupSample, first_unsettled, takeover_split, unsettled_windows
 
 
 def test_cpu_spent_counts_each_process_between_readings_and_leaves_out_a_restarted_one() -> None:
@@ -54,3 +54,11 @@ def test_takeover_split_waits_for_every_group_of_the_lost_member() -> None:
     assert split == {"expired_s": 10.9, "rebalanced_s": 11.6}
     # a group the looks never saw settle without the lost member says nothing
     assert takeover_split(samples[:3], "w1", killed_at=10.0) == {}
+
+
+def test_first_unsettled_is_the_first_rebalance_of_the_members_groups_after_its_signal() -> None:
+    samples = [*_looks("w", (1.0, "PreparingRebalance", "w0"), (2.0, "Stable", "w0"),
+                       (3.5, "PreparingRebalance", "w0")),
+               *_looks("act", (2.5, "PreparingRebalance", "a0"))]
+    assert first_unsettled(samples, ["w", "w-parse"], after=1.5) == 3.5  # not act's, not the one before
+    assert first_unsettled(samples, ["w"], after=4.0) is None
