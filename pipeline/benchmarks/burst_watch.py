@@ -217,6 +217,13 @@ class GroupWatch:
         self.bootstrap, self.groups, self.interval_s = bootstrap, groups, interval_s
         self.samples: list[GroupSample] = []
         self._task: asyncio.Task[None] | None = None
+        self._rounds = 0
+        self._round_done = asyncio.Event()
+
+    async def _reached(self, rounds: int) -> None:
+        while self._rounds < rounds and self._task is not None and not self._task.done():
+            self._round_done.clear()
+            await self._round_done.wait()
 
     async def start(self) -> None:
         from pipeline.kafka import clients as kafka_clients
@@ -230,20 +237,36 @@ class GroupWatch:
 
         from pipeline.kafka.membership import describe_group
 
+        coordinators: dict[str, int] = {}
         try:
             while True:
                 for group in self.groups:
                     before = time.time()
-                    with contextlib.suppress(KafkaError):
-                        view = await describe_group(self.bootstrap, group, admin)
+                    # A failed look (a coordinator moving, a request timing out under load) is skipped,
+                    # and the coordinator looked up again.
+                    try:
+                        if group not in coordinators:
+                            coordinators[group] = await admin.find_coordinator(group)
+                        view = await describe_group(self.bootstrap, group, admin, coordinators[group])
+                    except (KafkaError, RuntimeError, OSError):
+                        coordinators.pop(group, None)
+                    else:
                         holders = frozenset(m.instance_id for m in view.members if m.partitions and m.instance_id)
                         # The answer describes some moment of the round trip: its middle.
                         self.samples.append(GroupSample((before + time.time()) / 2, group, view.state, holders))
+                self._rounds += 1
+                self._round_done.set()
                 await asyncio.sleep(self.interval_s)
         finally:
+            self._round_done.set()
             await admin.close()
 
-    async def stop(self) -> list[GroupSample]:
+    async def stop(self, limit_s: float = 5.0) -> list[GroupSample]:
+        """Stop once a whole round of looks begun after this call is done (within ``limit_s``): the caller
+        saw something happen with a look of its own, and the watch's figures must include it."""
+        target = self._rounds + 2  # the round under way may have begun before this call
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._reached(target), limit_s)
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -62,15 +62,19 @@ class GroupView:
         return next((m for m in self.members if m.instance_id == instance_id), None)
 
 
-async def describe_group(bootstrap: str, group: str, admin: AIOKafkaAdminClient | None = None) -> GroupView:
+async def describe_group(
+    bootstrap: str, group: str, admin: AIOKafkaAdminClient | None = None, coordinator: int | None = None
+) -> GroupView:
     """The group's state and members, each with its group.instance.id and assigned partitions.
 
-    ``admin``: a started admin client to ask with (left open); without one a client is made for the
-    question, which costs a connection and a metadata round trip: too coarse for a watch that samples a
-    rebalance every few tens of milliseconds (``pipeline.benchmarks.burst_watch.GroupWatch``).
+    ``admin``: a started admin client to ask with (left open), and ``coordinator`` the group's
+    coordinator if known (else it is looked up); without a client one is made for the question, which
+    costs a connection and a metadata round trip: too coarse for a watch that samples a rebalance every
+    few tens of milliseconds (``pipeline.benchmarks.burst_watch.GroupWatch``).
     """
     if admin is not None:
-        return _group_view(group, await upstream.describe_groups(admin, group, await admin.find_coordinator(group)))
+        node = coordinator if coordinator is not None else await admin.find_coordinator(group)
+        return _group_view(group, await upstream.describe_groups(admin, group, node))
     from pipeline.kafka import clients as kafka_clients
     own = kafka_clients.admin(bootstrap)
     await own.start()
