@@ -20,8 +20,10 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   ``failover_actuator_p99_ms``, ``failover_worker_p99_ms`` (the supervised child killed),
   ``failover_actuator_process_p99_ms``, ``failover_worker_process_p99_ms`` (the whole process killed
   and restarted), ``failover_lost_actuator_p99_ms``, ``failover_lost_worker_p99_ms`` (a replica that
-  never comes back; with ``_takeover_s`` and ``_session_timeout_s``), each with ``_over_5s`` counts, and
-  ``rolling_p99_ms``; each split into ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
+  never comes back; with ``_takeover_s``, split into ``_expired_s`` and ``_rebalanced_s``, and
+  ``_session_timeout_s``), each with ``_over_5s`` counts, and ``rolling_p99_ms`` (with its groups'
+  ``rolling_rebalances`` and their ``_rebalance_p50_ms``/``_max_ms``); each split into
+  ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
   The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
   and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
