@@ -1,16 +1,17 @@
 """Static group membership and co-partitioning, with real ``xidflow worker``/``xidflow actuator`` processes.
 
 A SIGKILLed process restarted with the same identity is given its partitions back as the same static
-member (the broker's group description names its group.instance.id) without waiting for its
-session to expire: the sessions here are 300 s and the restarted member is back long before. An
-orderly stop (SIGTERM) leaves the group, so the group is empty at once instead of after 300 s.
-A worker whose fault-event and ticks topics disagree on partitions refuses to start.
+member (the broker's group description names its group.instance.id), in the same generation (no
+rebalance), without waiting for its session to expire: the sessions here are 300 s and the restarted
+member is back long before. An orderly stop (SIGTERM) leaves the group, so the group is empty at once
+instead of after 300 s. A worker whose fault-event and ticks topics disagree on partitions refuses to start.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -103,10 +104,15 @@ def test_worker_takes_its_partitions_back_as_the_same_static_member(
         "XIDFLOW_GROUP_INSTANCE_ID": "worker-0",
         "XIDFLOW_GROUP_SESSION_TIMEOUT_S": SESSION_S,
     }
-    args = ["worker", "--app-id", app_id, "--partitions", "2", "--loglevel", "warning"]
-    _kill_restart_then_term(
-        kafka_bootstrap, [app_id, f"{app_id}-parse"], args, env, "worker-0", tmp_path / "worker.log"
-    )
+    args = ["worker", "--app-id", app_id, "--partitions", "2", "--loglevel", "info"]
+    log = tmp_path / "worker.log"
+    _kill_restart_then_term(kafka_bootstrap, [app_id, f"{app_id}-parse"], args, env, "worker-0", log)
+    # No rebalance at all (KIP-345): the restarted member was handed the same generation it left, so the
+    # group's other members (none here; the bench's failover_worker_rebalances with two) never paused.
+    text = log.read_text(errors="replace")
+    for group in (app_id, f"{app_id}-parse"):
+        generations = re.findall(rf"Joined group '{re.escape(group)}' \(generation (\d+)\)", text)
+        assert len(generations) == 2 and len(set(generations)) == 1, (group, generations)
 
 
 def test_actuator_takes_its_partitions_back_as_the_same_static_member(
