@@ -369,7 +369,7 @@ async def rolling_restart(world: World) -> dict[str, Any]:
     for name, at in term_at.items():
         # SIGTERM to the first of its groups rebalancing: the orderly stop before its LeaveGroup, while
         # its partitions are no longer read and not yet anyone else's.
-        left = first_unsettled(samples, world.groups(name), at)
+        left = first_unsettled(samples, world.groups(name), at, name)
         if left is not None and name in took:
             took[name]["leave_s"] = round(left - at, 2)
     windows = sorted((end - begin) * 1000 for _, begin, end in unsettled_windows(samples))

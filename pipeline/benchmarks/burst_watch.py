@@ -173,13 +173,18 @@ def unsettled_windows(samples: list[GroupSample]) -> list[tuple[str, float, floa
     return out
 
 
-def first_unsettled(samples: list[GroupSample], groups: list[str], after: float) -> float | None:
-    """When the first of ``groups`` was first seen rebalancing after ``after`` (None: never). Pure.
+def first_unsettled(
+    samples: list[GroupSample], groups: list[str], after: float, member: str | None = None
+) -> float | None:
+    """When the first of ``groups`` was first seen rebalancing, or without ``member`` holding partitions,
+    after ``after`` (None: never). Pure.
 
     After a member's SIGTERM: when its LeaveGroup reached the coordinator, i.e. how long its orderly
-    stop kept its partitions before handing them over.
+    stop kept its partitions before handing them over. A rebalance shorter than the watch's look can be
+    missed; the member gone from the holders is seen all the same.
     """
-    return min((s.at for s in samples if s.group in groups and s.at > after and s.state != "Stable"), default=None)
+    return min((s.at for s in samples if s.group in groups and s.at > after
+                and (s.state != "Stable" or (member is not None and member not in s.holders))), default=None)
 
 
 def takeover_split(samples: list[GroupSample], lost: str, killed_at: float) -> dict[str, float]:

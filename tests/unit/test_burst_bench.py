@@ -62,3 +62,7 @@ def test_first_unsettled_is_the_first_rebalance_of_the_members_groups_after_its_
                *_looks("act", (2.5, "PreparingRebalance", "a0"))]
     assert first_unsettled(samples, ["w", "w-parse"], after=1.5) == 3.5  # not act's, not the one before
     assert first_unsettled(samples, ["w"], after=4.0) is None
+    # a leave whose rebalance fell between two looks: the member is gone from the holders all the same
+    quick = _looks("w", (1.0, "Stable", "w0,w1"), (1.2, "Stable", "w1"), (1.4, "PreparingRebalance", "w0,w1"))
+    assert first_unsettled(quick, ["w"], after=0.5, member="w0") == 1.2
+    assert first_unsettled(quick, ["w"], after=0.5) == 1.4
