@@ -35,6 +35,7 @@ parse sections that use the same broker set-up; the scenario benches live beside
 from __future__ import annotations
 
 import asyncio
+import gc
 import os
 import random
 import statistics
@@ -156,10 +157,39 @@ async def produce_all(bootstrap: str, topic: str, corpus: list[tuple[bytes, byte
 class Rate:
     wall: float  # records per wall-clock second, first batch to last
     cpu: float  # records per CPU second of this process over the same span (less sensitive to load)
+    gc_s: float = 0.0  # CPU seconds of this thread in the cyclic GC during the whole run (start to stop)
 
 
-def _rate(records: int, wall_s: float, cpu_s: float) -> Rate:
-    return Rate(records / wall_s if wall_s > 0 else float("inf"), records / cpu_s if cpu_s > 0 else float("inf"))
+class GcClock:
+    """CPU seconds the cyclic garbage collector takes while in use (``gc.callbacks``).
+
+    Both sides allocate one ``ConsumerRecord`` per record and keep a batch alive while the next is
+    fetched, so full collections walk this process's whole heap over and over; that share is neither
+    side's own work, and it moves with the heap (what else the process imported).
+    """
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._started = 0.0
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._started = time.thread_time()
+        else:
+            self.seconds += time.thread_time() - self._started
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+
+def _rate(records: int, wall_s: float, cpu_s: float, gc_s: float = 0.0) -> Rate:
+    return Rate(
+        records / wall_s if wall_s > 0 else float("inf"), records / cpu_s if cpu_s > 0 else float("inf"), gc_s
+    )
 
 
 async def raw_consume(bootstrap: str, topic: str, total: int, settings: ParseSettings, progress: ProgressFn) -> Rate:
@@ -178,17 +208,18 @@ async def raw_consume(bootstrap: str, topic: str, total: int, settings: ParseSet
     seen = 0
     first: tuple[float, float, int] | None = None
     try:
-        while seen < total:
-            batches = await consumer.getmany(timeout_ms=settings.poll_timeout_ms, max_records=settings.max_records)
-            if batches and first is None:
-                # The clock starts when the first records are in; they were fetched before it and do not count.
-                first = (time.monotonic(), time.process_time(), sum(map(len, batches.values())))
-            for records in batches.values():
-                for _record in records:
-                    seen += 1
-            progress("raw consumer", seen, total)
+        with GcClock() as gc_clock:
+            while seen < total:
+                batches = await consumer.getmany(timeout_ms=settings.poll_timeout_ms, max_records=settings.max_records)
+                if batches and first is None:
+                    # The clock starts when the first records are in; they were fetched before it and do not count.
+                    first = (time.monotonic(), time.process_time(), sum(map(len, batches.values())))
+                for records in batches.values():
+                    for _record in records:
+                        seen += 1
+                progress("raw consumer", seen, total)
         start = first or (time.monotonic(), time.process_time(), 0)
-        return _rate(seen - start[2], time.monotonic() - start[0], time.process_time() - start[1])
+        return _rate(seen - start[2], time.monotonic() - start[0], time.process_time() - start[1], gc_clock.seconds)
     finally:
         await consumer.stop()
 
@@ -205,7 +236,8 @@ async def parse_stage_rate(ctx: BenchContext, topics: TopicNames, raw_topic: str
 
     reporter = asyncio.ensure_future(report())
     try:
-        c = await stage.run(stop_after=ctx.records)
+        with GcClock() as gc_clock:
+            c = await stage.run(stop_after=ctx.records)
     finally:
         reporter.cancel()
     ctx.progress("parse stage", c.records, ctx.records)
@@ -219,6 +251,7 @@ async def parse_stage_rate(ctx: BenchContext, topics: TopicNames, raw_topic: str
         c.records - c.first_batch_records,
         (c.last_batch_at or 0) - (c.first_batch_at or 0),
         (c.last_batch_cpu or 0) - (c.first_batch_cpu or 0),
+        gc_clock.seconds,
     )
 
 
@@ -252,6 +285,17 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
     (private ``Fetcher._records``) would tie the stage to aiokafka's internals, so it is not done.
     GC tuning (``gc.freeze()`` after start, a larger first threshold) would cut 0.3-0.5 us from both
     sides; it is the worker process's policy, not the stage's.
+
+    Follow-up (parse4, load 3-20): the GC is 0.8 us of the ~1.9 us a record costs either side here
+    (``raw_gc_ns_per_record``/``pipeline_gc_ns_per_record``); ``gc.set_threshold(50_000, 20, 100)`` took
+    the stage from 422-435k to 673-683k records per CPU second and the raw consumer from 523-532k to
+    886-922k, so ``ratio_cpu`` fell from ~0.81 to ~0.75: a common cost pulls the ratio towards 1.
+    Taking every buffered record before parsing, so the next fetch overlaps the whole parse, measured
+    worse (``ratio_cpu`` median 0.82 -> 0.65: 70,000 live records per full collection instead of 20,000)
+    once the first batch's records stopped counting on both sides; before, that change looked like a
+    gain only because its first, uncounted batch was a whole fetch. The best-of ``ratio`` pairs each
+    side's luckiest run, often from different rounds; ``ratio_median`` (per round, the two runs back to
+    back) is the steadier wall figure.
     """
     topics = TopicNames(prefix=f"bench-{ctx.run_id}-")
     raw_topic = topics.name("logs_kernel")
@@ -292,6 +336,9 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
         "ratio_median": statistics.median(rounds),
         "ratio_cpu_rounds": rounds_cpu,
         "ratio_cpu_median": statistics.median(rounds_cpu),
+        # Nanoseconds of cyclic GC per record, median of the runs: a common cost of both (GcClock).
+        "raw_gc_ns_per_record": statistics.median(r.gc_s for r in raws) / ctx.records * 1e9,
+        "pipeline_gc_ns_per_record": statistics.median(r.gc_s for r in stages) / ctx.records * 1e9,
     }
 
 
