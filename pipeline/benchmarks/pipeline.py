@@ -291,8 +291,9 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
     the stage from 422-435k to 673-683k records per CPU second and the raw consumer from 523-532k to
     886-922k, so ``ratio_cpu`` fell from ~0.81 to ~0.75: a common cost pulls the ratio towards 1.
     Taking every buffered record before parsing, so the next fetch overlaps the whole parse, measured
-    worse (``ratio_cpu`` median 0.82 -> 0.65: 70,000 live records per full collection instead of 20,000)
-    once the first batch's records stopped counting on both sides; before, that change looked like a
+    worse (``ratio_cpu`` of three runs each 0.82/0.82/0.87 -> 0.61/0.68/0.71; its full collections
+    took longer, with up to 70,000 live records instead of 20,000) once the first batch's records
+    stopped counting on both sides; before, that change looked like a
     gain only because its first, uncounted batch was a whole fetch. The best-of ``ratio`` pairs each
     side's luckiest run, often from different rounds; ``ratio_median`` (per round, the two runs back to
     back) is the steadier wall figure.
