@@ -4,12 +4,15 @@ Sections are async functions ``section(ctx) -> dict`` registered in ``SECTIONS``
 figures to one result dict. Later issues add sections (e.g. an actuator storm) with ``register``.
 
 - ``throughput``: N Fluent Bit kmsg records (0.1% faults) on a fresh topic; a raw aiokafka consumer
-  reads them all (baseline: fetch + iterate, nothing else), then the parse stage processes the same
-  records (gate, adapters, detector, produce fault events, commit after acks). Rates are measured
-  from the first batch received to the last batch processed, so group joins do not count; the
+  reads them all (baseline: fetch + iterate, nothing else, with the stage's fetch settings), and the
+  parse stage processes the same records (gate, adapters, detector, produce fault events, commit
+  after acks). Rates are measured from the first batch received to the last batch processed, so
+  group joins do not count, and count the records after that first batch on both sides; the
   stage's commits overlap its processing, and the one final commit after the last batch is left
   out of ``pipeline_rate`` (``pipeline_rates_incl_final_commit`` has it in). Best of ``repeats``
-  interleaved runs; the per-CPU-second rates are less sensitive to other load on the machine.
+  rounds in which the two take turns going first (a run after one of its own kind measured 3-8%
+  faster); ``ratio_median`` and ``ratio_cpu_median`` are the medians of the rounds' own ratios. The
+  per-CPU-second rates are less sensitive to other load on the machine.
 - ``latency``: a real ``xidflow worker`` process; ~10,000 noise lines/s in the background and a fault
   line for a fresh node every 100 ms; latency = incident received - fault line sent (wall clock).
 - ``parse``: the pure parse figures of ``pipeline.benchmarks.parse.run_parse_benchmark``.
