@@ -55,6 +55,7 @@ from schemas.records import (
 log = logging.getLogger("xidflow.parse")
 
 _VALUE = operator.attrgetter("value")
+_SIZE = operator.attrgetter("serialized_value_size")
 
 STAGE = "parse"
 """The stage name dead letters of the parse path carry (core, stage and outputs alike)."""
@@ -227,27 +228,42 @@ class ParseCore:
             else:
                 nodes[old] = None
 
-    def candidates(self, values: list[bytes | None]) -> list[int]:
+    def candidates(self, values: list[bytes | None], sizes: list[int] | None = None) -> list[int]:
         """Indexes of the records that must be decoded; all others are noise.
 
         One C-speed substring scan over the whole batch joined by NUL bytes (no marker contains NUL,
         so no match spans two records), instead of a Python-level test per record: the per-record
         cost of the 99.9% noise is then a few bytes of ``join`` and scan.
+
+        ``sizes``: each value's length as the consumer counted it already (aiokafka's
+        ``serialized_value_size``, ``_sizes``). It spares a pass that touches every value object only
+        for its length, the first touch of fresh records being the costly part of the gate (25-55 of
+        ~280 ns a record). Sizes that do not add up to the joined batch are ignored and counted anew.
         """
         n = len(values)
         if n == 0:
             return []
         marked: set[int] = set()
-        try:
-            lengths = list(map(len, values))
-        except TypeError:  # a null value (tombstone): the adapter dead-letters it
-            marked.update(i for i, v in enumerate(values) if v is None)
-            values = [v or b"" for v in values]
-            lengths = list(map(len, values))
+        lengths = sizes if sizes is not None and len(sizes) == n and min(sizes) > 0 else None
+        if lengths is not None:
+            try:
+                buf = b"\x00".join(values)  # type: ignore[arg-type]
+            except TypeError:  # a null value the sizes did not say
+                lengths = None
+            else:
+                if sum(lengths) + n - 1 != len(buf):
+                    lengths = None
+        if lengths is None:
+            try:
+                lengths = list(map(len, values))
+            except TypeError:  # a null value (tombstone): the adapter dead-letters it
+                marked.update(i for i, v in enumerate(values) if v is None)
+                values = [v or b"" for v in values]
+                lengths = list(map(len, values))
+            buf = b"\x00".join(values)  # type: ignore[arg-type]
         if min(lengths) == 0 or max(lengths) > MAX_GATE_BYTES:
             # Empty or oversize payloads go to the adapter, which dead-letters them with a reason.
             marked.update(i for i, size in enumerate(lengths) if size == 0 or size > MAX_GATE_BYTES)
-        buf = b"\x00".join(values)  # type: ignore[arg-type]
         ends: list[int] = []  # ends[i]: bytes of records 0..i, separators left out (C-level accumulate)
         indexes = range(n)
 
@@ -299,7 +315,7 @@ class ParseCore:
             health, logs = [], records
         for rec in health:
             self._guarded(rec, result, now, self._health)
-        wanted = self.candidates(list(map(_VALUE, logs)))
+        wanted = self.candidates(list(map(_VALUE, logs)), _sizes(logs))
         result.noise = len(logs) - len(wanted)
         result.decoded += len(wanted)
         for index in wanted:
@@ -427,6 +443,14 @@ class ParseCore:
             if tp not in held or offset < held[tp]:
                 held[tp] = offset
         return held
+
+
+def _sizes(records: Sequence[RawRecord]) -> list[int] | None:
+    """Value sizes as aiokafka's ``ConsumerRecord`` carries them (``len(value)``, -1 for None), or None."""
+    try:
+        return list(map(_SIZE, records))
+    except AttributeError:  # records of another kind (the replay, tests): ``candidates`` counts the lengths
+        return None
 
 
 def _text(key: bytes | None) -> str | None:

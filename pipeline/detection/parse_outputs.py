@@ -54,6 +54,7 @@ class StageCounters:
     outputs_lost: int = 0  # outputs whose replacement dead letter was refused too (logged)
     dead_letters_skipped: int = 0  # dead letters of replayed records whose letters were already acknowledged
     first_batch_at: float | None = None  # monotonic time the first non-empty batch arrived
+    first_batch_records: int = 0  # records of that first batch: fetched before first_batch_at (benchmarks)
     last_batch_at: float | None = None  # monotonic time the last batch was processed and handed to settle
     first_batch_cpu: float | None = None  # process CPU time at the first batch (benchmarks)
     last_batch_cpu: float | None = None

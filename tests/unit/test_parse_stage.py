@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import random
+import re
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 
 import orjson
+import yaml
+from aiokafka.structs import ConsumerRecord
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -220,3 +225,89 @@ def test_detector_state_is_kept_for_at_most_max_nodes() -> None:
     result = core.process(records)
     assert len(result.events) == 500
     assert len(core._nodes) <= 51 and len(core.detector._nodes) <= 51  # type: ignore[attr-defined]
+
+
+# -- the gate's value sizes from the consumer (issue 22 part 6) ------------------------------------
+
+
+def _mixed_corpus() -> list[tuple[bytes | None, bytes | None, str]]:
+    """(value, key, topic): every documented input shape, faults and look-alikes, noise and malformed input."""
+    corpus = Path(__file__).resolve().parents[1] / "corpus"
+    kernel = [line for case in yaml.safe_load((corpus / "kernel_corpus.yaml").read_text())["cases"]
+              for line in case["lines"]]
+    pod = [line for case in yaml.safe_load((corpus / "pod_corpus.yaml").read_text())["cases"] for line in case["lines"]]
+    pods = TOPICS.name("logs_pods")
+    out: list[tuple[bytes | None, bytes | None, str]] = []
+    for i, line in enumerate(kernel):
+        node = f"node-{i % 5}"
+        out.append((kmsg(line, node=node), node.encode(), KERNEL))  # Fluent Bit kmsg
+        out.append((line.encode(), node.encode(), KERNEL))  # plain text, node from the key
+        out.append((kmsg(f"eth{i}: link becomes ready"), None, KERNEL))  # noise
+    for i, line in enumerate(pod):
+        body = {"log": line + "\n", "stream": "stderr", "time": "2024-06-04T10:09:40.123456789Z",
+                "kubernetes": {"pod_name": f"trainer-{i}", "namespace_name": "ml", "host": f"node-{i % 3}",
+                               "container_name": "pytorch"}}
+        out.append((orjson.dumps(body), None, pods))  # Fluent Bit tail + kubernetes filter
+    loki = {"streams": [{"stream": {"node": "n7", "job": "kmsg"},
+                         "values": [["1717495780000000001", kernel[0]], ["1717495781000000000", "second"]]},
+                        {"stream": {"node": "n8", "pod": "p", "namespace": "ns", "container": "c"},
+                         "values": [["1717495782000000000", pod[0]]]}]}
+    out.append((orjson.dumps(loki), None, "loki.raw"))
+    out.append((b'{"msg": "NVRM: Xid (PCI:0000:4e:00): \\u0037\\u0039, GPU has fallen off the bus.", "hostname": "u"}',
+                None, KERNEL))  # a marker behind JSON escapes
+    for bad in (b"", None, b'{"x": 1', b"[1, 2, 3]", b'{"streams": 5}', b"\xff\xfe NVRM: garbage",
+                kmsg(XID79 + " " + "x" * (1 << 20)), kmsg(XID79 + " \x00 tail")):
+        out.append((bad, b"node-bad", KERNEL))
+    return out
+
+
+_WALL_CLOCK = re.compile(rb'"(ingested_at|received_at)":"[^"]*"')
+"""The fields that say when a record was made (the wall clock), not what it says."""
+
+
+def _outputs(core: ParseCore, batches: list[list]) -> list[bytes | int]:
+    out: list[bytes | int] = []
+    for batch in batches:
+        result = core.process(batch, now=0.0)
+        out += [_WALL_CLOCK.sub(b"", o.to_bytes()) for o in (*result.events, *result.dead_letters)]
+        out += [result.records, result.noise, result.decoded]
+    return out
+
+
+def test_consumer_sizes_give_byte_identical_outputs() -> None:
+    """Values sized by the consumer (aiokafka's ``serialized_value_size``), sized wrongly, or counted by the
+    gate: the same fault events, dead letters and noise counts, byte for byte, over every input shape."""
+    corpus = _mixed_corpus()
+    rng = random.Random(3)
+    rng.shuffle(corpus)
+
+    def consumer_record(i: int, value: bytes | None, key: bytes | None, topic: str, skew: int = 0) -> ConsumerRecord:
+        size = -1 if value is None else len(value) + skew
+        return ConsumerRecord(topic, 0, i, 1_735_689_600_000, 0, key, value, None, -1 if key is None else len(key),
+                              size, [])
+
+    def batches(make) -> list[list]:  # noqa: ANN001
+        records = [make(i, *item) for i, item in enumerate(corpus)]
+        return [records[i:i + 37] for i in range(0, len(records), 37)]
+
+    settings_ = ParseSettings(shape_check_every=5, multiline_timeout_s=1000)
+    counted = _outputs(ParseCore(TOPICS, settings_), batches(lambda i, v, k, t: Rec(v, key=k, topic=t, offset=i)))
+    sized = _outputs(ParseCore(TOPICS, settings_), batches(consumer_record))
+    skewed = _outputs(ParseCore(TOPICS, settings_),
+                      batches(lambda i, v, k, t: consumer_record(i, v, k, t, skew=1 if i % 11 == 0 else 0)))
+    events = [o for o in counted if isinstance(o, bytes) and b'"kind"' in o]
+    assert len(events) > 40 and any(b'"code":79' in e for e in events)  # the corpus does reach the detector
+    assert sized == counted
+    assert skewed == counted
+
+
+def test_sizes_that_do_not_add_up_are_not_trusted() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0))
+    values = [kmsg("eth0 up"), kmsg(XID79), kmsg("eth1 up")]
+    true = [len(v) for v in values]
+    assert core.candidates(values) == [1]
+    assert core.candidates(values, true) == [1]
+    # One size off by the next record's length: positions would map the match to record 0.
+    assert core.candidates(values, [true[0] + true[1], 1, true[2]]) == [1]
+    assert core.candidates(values, [-1, *true[1:]]) == [1]
+    assert core.candidates([None, *values], [-1, *true]) == [0, 2]
