@@ -267,14 +267,20 @@ def settle(
     counted = len(state["admitted"].keys() | quarantined_now)
     free = breaker_cap(fleet_size, max_share) - counted - held - keep
     others_wait = any(h != holder and now - float(at) <= ttl for h, at in (state.get(WAITING_KEY) or {}).items())
-    granted = 0 if tripped or others_wait else max(0, min(want - keep, free // 2))
+    # An even share of what is not counted yet among the holders (at least two: an actuator runs with a
+    # standby replica), so that two replicas splitting a burst both admit their half from their blocks.
+    share = (breaker_cap(fleet_size, max_share) - counted) // max(2, len(reserved) + 1)
+    granted = 0 if tripped or others_wait else max(0, min(want - keep, free, share - keep))
     if keep + granted > 0:
         reserved[holder] = {"n": keep + granted, "at": now}
     state[RESERVED_KEY] = dict(sorted(reserved.items()))
     # Who waits for held headroom: the holders see it in their next write and hand theirs back.
     waiting = {h: at for h, at in (state.get(WAITING_KEY) or {}).items() if now - float(at) <= ttl and h != holder}
     if any(d.waiting for d in decisions.values()):
-        waiting[holder] = now
+        # Kept, not refreshed, while it waits: a retry that changes nothing writes nothing (a read), so it
+        # never invalidates the write of the holder that is handing its slots back.
+        previous = (state.get(WAITING_KEY) or {}).get(holder)
+        waiting[holder] = previous if previous is not None and now - float(previous) <= ttl / 4 else now
     state[WAITING_KEY] = dict(sorted(waiting.items()))
     contended = any(h != holder for h in waiting)
     return Settlement(decisions, kept, granted, now, tripped, contended)
@@ -293,7 +299,7 @@ class Breaker:
         window: float,
         fleet_cache_seconds: float = 10,
         on_trip: Callable[[Admission, str], Awaitable[None]] | None = None,
-        block: int = 0,
+        block: int = 256,
         sync_seconds: float = 0.25,
         reservation_ttl: float = 20.0,
     ) -> None:
@@ -310,9 +316,8 @@ class Breaker:
         self._pending: list[tuple[str, asyncio.Future[Admission]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._seen: dict[str, Any] = {}  # the breaker's ConfigMap as our last write left it
-        # ``block`` 0 (the default) reserves nothing: every admission is decided in the batched write, as
-        # before. In the 500-node burst bench on a 2-core machine a block of 64 did not measurably shorten
-        # the burst: the periodic writes of the reservation made the other replica's writes conflict more.
+        # ``block`` 0 reserves nothing: every admission is then decided in the batched write. A standing
+        # block (renewed while idle) lets the first wave of a burst in without waiting for a write.
         # The reservation (``settle``): at most ``block`` slots, written at least every ``sync_seconds`` while
         # held, lapsing ``reservation_ttl`` after its last write. We stop admitting from it half a TTL before
         # the others may count it lapsed: a node admitted from it just before this replica died is tainted
@@ -327,6 +332,7 @@ class Breaker:
         self._since_write = 0  # admissions from the reservation since our last write
         self._starved = False  # the last write could grant nothing: no top-up until a write frees some
         self._tripped = False  # as our last write saw it
+        self._wrote_used = False  # our last write recorded admissions from the block
         self._contended = False  # another replica waits for headroom held in reservations (our last write)
         self._wake = asyncio.Event()
         self.local_admissions = 0
@@ -373,6 +379,14 @@ class Breaker:
             self._flusher = asyncio.create_task(self._flush())  # the periodic write of what we admitted
         return True
 
+    def _linger(self) -> float:
+        """How long the flusher waits for work before its next write of the reservation."""
+        if self._contended:
+            return self.sync_seconds / 5  # others wait for what we hold: hand it back as soon as we can
+        if self._used:
+            return self.sync_seconds  # the window must learn of the nodes we admitted from the block
+        return self.reservation_ttl / 8  # idle: renew it (a burst then starts from it, without a write)
+
     def _topup_due(self) -> bool:
         return self._since_write > 0 and not self._starved and not self._contended and self._slots < self.block // 2
 
@@ -387,19 +401,19 @@ class Breaker:
         API_PRIORITY.set(-1)
         while True:
             if not self._pending and not self._topup_due():
-                if not self._used and self._slots <= 0:
-                    return
                 # Holding a reservation with nothing waiting: write what we admitted from it within
                 # sync_seconds (the window must learn of them, and the reservation must not lapse), and
                 # hand it back once a whole period passed without an admission from it (the burst is over).
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
                     # Others wait for what we hold: hand it back as soon as we stop admitting from it.
-                    await asyncio.wait_for(
-                        self._wake.wait(), self.sync_seconds / 5 if self._contended else self.sync_seconds
-                    )
+                    await asyncio.wait_for(self._wake.wait(), self._linger())
                 if not self._pending and not self._topup_due():
-                    if not await self._write([], release=self._since_write == 0 or self._contended):
+                    # Hand the block back when another replica waits for it, or when a burst is over (a
+                    # period without an admission after one with): the tail of a burst on the other replica
+                    # must not wait for it. Idle, it is taken again in the next renewal.
+                    burst_over = self._since_write == 0 and self._wrote_used
+                    if not await self._write([], release=self._contended or burst_over):
                         await asyncio.sleep(self.sync_seconds)  # the API server failed us: do not spin
                     continue
             # Slots our last write granted serve the nodes that queued while it was in flight first: decided
@@ -452,6 +466,7 @@ class Breaker:
                     fut.set_exception(exc)
             return False
         self.writes += 1
+        self._wrote_used = bool(used)
         for node, at in used.items():
             if self._used.get(node) == at:
                 del self._used[node]
@@ -481,6 +496,20 @@ class Breaker:
             await asyncio.sleep(random.uniform(0.03, 0.08))
             self._pending[:0] = waiting
         return True
+
+    async def close(self) -> None:
+        """Stop writing; write the nodes admitted from our block and hand it back (bounded, best effort).
+
+        After the consumer stopped (no admission comes any more). Without it the reservation lapses after
+        ``reservation_ttl`` and the nodes admitted from it count as quarantined (the watch) meanwhile.
+        """
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
+        if self._used or self._slots > 0:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._write([], release=True), 5)
 
     async def status(self) -> dict[str, Any]:
         state = await read_json_configmap(self.kube, self.namespace, self.name)

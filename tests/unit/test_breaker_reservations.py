@@ -160,9 +160,11 @@ def test_a_lapsed_reservation_frees_its_headroom() -> None:
     first = settle(state, "dead", ["a"], {}, 0, 8, 10, 1.0, 300, 0.0, TTL)
     assert first.decisions["a"].allowed and first.granted == 4  # half of the 9 slots left
     got = settle(state, "b", [], {}, 0, 8, 10, 1.0, 300, 1.0, TTL)
-    assert got.granted == 2  # half of what "dead" left
-    later = settle(state, "b", [], {}, 0, 8, 10, 1.0, 300, TTL + 1.0, TTL)
-    assert later.granted == 4 and "dead" not in state["reserved"]  # lapsed: b's own 2 lapsed too
+    assert got.granted == 4  # an even share of the 9 not counted, between two holders
+    blocked = settle(state, "c", ["x", "y"], {}, 0, 8, 10, 1.0, 300, 2.0, TTL)
+    assert blocked.decisions["x"].allowed and blocked.decisions["y"].waiting and blocked.granted == 0
+    later = settle(state, "c", ["y"], {}, 0, 8, 10, 1.0, 300, TTL + 1.5, TTL)
+    assert later.decisions["y"].allowed and "dead" not in state["reserved"]  # lapsed: its 4 slots are free
 
 
 def test_headroom_held_by_another_replica_waits_instead_of_tripping() -> None:
