@@ -332,7 +332,8 @@ class Breaker:
         self._since_write = 0  # admissions from the reservation since our last write
         self._starved = False  # the last write could grant nothing: no top-up until a write frees some
         self._tripped = False  # as our last write saw it
-        self._wrote_used = False  # our last write recorded admissions from the block
+        self._active = False  # admitted from the block since it was last handed back (a burst is on)
+        self._last_local = 0.0  # when we last admitted from the block
         self._contended = False  # another replica waits for headroom held in reservations (our last write)
         self._wake = asyncio.Event()
         self.local_admissions = 0
@@ -373,6 +374,7 @@ class Breaker:
             self._used[node] = now
             self._since_write += 1
             self.local_admissions += 1
+            self._active, self._last_local = True, now
         if self._topup_due():
             self._kick()  # write before the block runs dry; admissions go on from what is left meanwhile
         elif self._flusher is None or self._flusher.done():
@@ -383,7 +385,7 @@ class Breaker:
         """How long the flusher waits for work before its next write of the reservation."""
         if self._contended:
             return self.sync_seconds / 5  # others wait for what we hold: hand it back as soon as we can
-        if self._used:
+        if self._used or self._active:
             return self.sync_seconds  # the window must learn of the nodes we admitted from the block
         return self.reservation_ttl / 8  # idle: renew it (a burst then starts from it, without a write)
 
@@ -409,10 +411,11 @@ class Breaker:
                     # Others wait for what we hold: hand it back as soon as we stop admitting from it.
                     await asyncio.wait_for(self._wake.wait(), self._linger())
                 if not self._pending and not self._topup_due():
-                    # Hand the block back when another replica waits for it, or when a burst is over (a
-                    # period without an admission after one with): the tail of a burst on the other replica
-                    # must not wait for it. Idle, it is taken again in the next renewal.
-                    burst_over = self._since_write == 0 and self._wrote_used
+                    # Hand the block back when another replica waits for it, or as soon as a burst is over
+                    # (a sync period without an admission from it, in the same write that records the last
+                    # ones): the tail of a burst on the other replica must not wait for it. Idle, it is
+                    # taken again in the next renewal.
+                    burst_over = self._active and time.time() - self._last_local >= self.sync_seconds
                     if not await self._write([], release=self._contended or burst_over):
                         await asyncio.sleep(self.sync_seconds)  # the API server failed us: do not spin
                     continue
@@ -466,7 +469,8 @@ class Breaker:
                     fut.set_exception(exc)
             return False
         self.writes += 1
-        self._wrote_used = bool(used)
+        if release:
+            self._active = False
         for node, at in used.items():
             if self._used.get(node) == at:
                 del self._used[node]
