@@ -218,6 +218,7 @@ class Actuator:
             # The reconciler first: the long steps it drives hand their leases over before we leave the group.
             await self.reconciler.stop()
             await self.consumer.stop()
+        await self.breaker.close()  # hands its reserved headroom back instead of letting it lapse
         await self.auditor.stop()
         if self.notifier is not None and hasattr(self.notifier, "stop"):
             await self.notifier.stop()

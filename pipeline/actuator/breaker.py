@@ -4,13 +4,23 @@ Both keep their state in a ConfigMap written with its resourceVersion (optimisti
 all replicas see one breaker and one drain budget. The decisions are pure functions over that
 state; ``Breaker`` batches concurrent admissions into one read-modify-write so that a storm of
 incidents costs a few ConfigMap writes, not one per node.
+
+In a burst each replica also reserves a block of the breaker's headroom in that write (``settle``) and
+admits from it without asking again, so two replicas do not queue every quarantine behind a
+ConfigMap write that the other one keeps invalidating (409). The sum of the live reservations and the
+nodes counted never exceeds the limit; a replica writes the nodes it admitted from its block into the
+window on its next write (every ``sync_seconds`` while it holds one), hands back what it did not use
+when the burst is over, and a reservation nobody renews (its replica was SIGKILLed) expires after
+``reservation_ttl`` seconds.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -23,6 +33,10 @@ from pipeline.runtime import metrics
 
 T = TypeVar("T")
 STATE_KEY = "state"
+RESERVED_KEY = "reserved"
+"""In the breaker's state: holder -> {"n": slots, "at": when written}; see ``settle``."""
+WAITING_KEY = "waiting"
+"""In the breaker's state: holder -> when it last had a node wait for headroom others hold (``settle``)."""
 MANAGED_LABEL = {"app.kubernetes.io/managed-by": "xidflow"}
 
 
@@ -98,6 +112,8 @@ class Admission:
     allowed: bool
     reason: str = ""
     tripped_now: bool = False
+    waiting: bool = False
+    """Not decided: the headroom left is held by other replicas' reservations (ask again shortly)."""
 
 
 def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
@@ -127,6 +143,7 @@ def decide_admissions(
     window: float,
     now: float,
     quarantined_now: frozenset[str] = frozenset(),
+    held: int = 0,
 ) -> dict[str, Admission]:
     """Admit nodes into quarantine while the share quarantined stays <= max_share.
 
@@ -135,6 +152,10 @@ def decide_admissions(
     already counted is admitted again for free (the cordon, the taint and a redelivery count once).
     The first node that would cross the threshold trips the breaker; only a person resets it, and
     a reset forgets the trip, not the nodes that are still quarantined.
+
+    ``held``: slots other replicas reserved and may still fill. A node that fits under the limit only
+    without them is not refused and does not trip: it waits (``Admission.waiting``) until they are
+    used (counted then), handed back or expired. The trip is decided on real nodes only.
     """
     admitted = admitted_within(state, window, now)
     state["admitted"] = admitted
@@ -158,11 +179,111 @@ def decide_admissions(
             )
             state["tripped_by"] = node
             out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
+        elif (len(counted) + 1 + held) / fleet > max_share:
+            out[node] = Admission(False, f"{held} slots of the breaker's headroom held by other replicas", waiting=True)
         else:
             admitted[node] = now
             counted.add(node)
             out[node] = Admission(True)
     return out
+
+
+def breaker_cap(fleet_size: int, max_share: float) -> int:
+    """The most GPU nodes the breaker lets count at once: the largest k with k / fleet <= max_share. Pure.
+
+    The same float comparison as ``decide_admissions`` (a product rounded down would differ from it by one
+    node for shares such as 0.29).
+    """
+    fleet = max(fleet_size, 1)
+    k = int(max_share * fleet)
+    while (k + 1) / fleet <= max_share:
+        k += 1
+    while k > 0 and k / fleet > max_share:
+        k -= 1
+    return k
+
+
+def live_reservations(state: Mapping[str, Any], now: float, ttl: float) -> dict[str, dict[str, float]]:
+    """Reservations renewed within ``ttl`` (holder -> {"n", "at"}); older ones belong to a dead replica. Pure."""
+    return {
+        h: r
+        for h, r in (state.get(RESERVED_KEY) or {}).items()
+        if now - float(r.get("at", 0)) <= ttl and int(r.get("n", 0)) > 0
+    }
+
+
+@dataclass(frozen=True)
+class Settlement:
+    """What one replica's write of the breaker's state decided (``settle``)."""
+
+    decisions: dict[str, Admission]
+    kept: bool
+    """The replica's reservation was still live: the part of it it kept stays its own."""
+    granted: int
+    """Slots added to the replica's reservation by this write."""
+    at: float
+    """When the reservation was written (it lapses ``ttl`` later unless written again)."""
+    tripped: bool
+    contended: bool = False
+    """Another replica has nodes waiting for headroom held in reservations: hand ours back."""
+
+
+def settle(
+    state: dict[str, Any],
+    holder: str,
+    nodes: list[str],
+    used: Mapping[str, float],
+    keep: int,
+    want: int,
+    fleet_size: int,
+    max_share: float,
+    window: float,
+    now: float,
+    ttl: float,
+    quarantined_now: frozenset[str] = frozenset(),
+) -> Settlement:
+    """One replica's read-modify-write of the breaker: its admissions from its block, a batch, its new block. Pure.
+
+    ``used``: nodes the replica admitted from its reservation since its last write; they enter the window
+    here (until now the reservation counted them). ``keep``: the unused slots it goes on admitting from
+    while this write is in flight (0 to hand them back); its reservation becomes ``keep`` plus a grant of
+    up to ``want - keep``, never more than half the headroom left, so the other replicas always find some.
+    ``nodes`` are decided by ``decide_admissions`` with every other live reservation held.
+
+    Invariant (``tests/unit/test_breaker_reservations.py``): the nodes counted plus every live
+    reservation never exceed ``breaker_cap``; a reservation is only ever filled by its holder.
+    """
+    reserved = live_reservations(state, now, ttl)
+    own = reserved.pop(holder, None)
+    kept = own is not None
+    keep = min(keep, int(own["n"])) if own is not None else 0
+    admitted = admitted_within(state, window, now)
+    for node, at in used.items():
+        admitted[node] = max(float(at), float(admitted.get(node, at)))
+    state["admitted"] = admitted
+    held = sum(int(r["n"]) for r in reserved.values())
+    decisions = decide_admissions(state, nodes, fleet_size, max_share, window, now, quarantined_now, held + keep)
+    tripped = bool(state.get("tripped"))
+    counted = len(state["admitted"].keys() | quarantined_now)
+    free = breaker_cap(fleet_size, max_share) - counted - held - keep
+    others_wait = any(h != holder and now - float(at) <= ttl for h, at in (state.get(WAITING_KEY) or {}).items())
+    # An even share of what is not counted yet among the holders (at least two: an actuator runs with a
+    # standby replica), so that two replicas splitting a burst both admit their half from their blocks.
+    share = (breaker_cap(fleet_size, max_share) - counted) // max(2, len(reserved) + 1)
+    granted = 0 if tripped or others_wait else max(0, min(want - keep, free, share - keep))
+    if keep + granted > 0:
+        reserved[holder] = {"n": keep + granted, "at": now}
+    state[RESERVED_KEY] = dict(sorted(reserved.items()))
+    # Who waits for held headroom: the holders see it in their next write and hand theirs back.
+    waiting = {h: at for h, at in (state.get(WAITING_KEY) or {}).items() if now - float(at) <= ttl and h != holder}
+    if any(d.waiting for d in decisions.values()):
+        # Kept, not refreshed, while it waits: a retry that changes nothing writes nothing (a read), so it
+        # never invalidates the write of the holder that is handing its slots back.
+        previous = (state.get(WAITING_KEY) or {}).get(holder)
+        waiting[holder] = previous if previous is not None and now - float(previous) <= ttl / 4 else now
+    state[WAITING_KEY] = dict(sorted(waiting.items()))
+    contended = any(h != holder for h in waiting)
+    return Settlement(decisions, kept, granted, now, tripped, contended)
 
 
 class Breaker:
@@ -178,6 +299,9 @@ class Breaker:
         window: float,
         fleet_cache_seconds: float = 10,
         on_trip: Callable[[Admission, str], Awaitable[None]] | None = None,
+        block: int = 256,
+        sync_seconds: float = 0.25,
+        reservation_ttl: float = 20.0,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.fleet_selector, self.max_share, self.window = fleet_selector, max_share, window
@@ -192,6 +316,28 @@ class Breaker:
         self._pending: list[tuple[str, asyncio.Future[Admission]]] = []
         self._flusher: asyncio.Task[None] | None = None
         self._seen: dict[str, Any] = {}  # the breaker's ConfigMap as our last write left it
+        # ``block`` 0 reserves nothing: every admission is then decided in the batched write. A standing
+        # block (renewed while idle) lets the first wave of a burst in without waiting for a write.
+        # The reservation (``settle``): at most ``block`` slots, written at least every ``sync_seconds`` while
+        # held, lapsing ``reservation_ttl`` after its last write. We stop admitting from it half a TTL before
+        # the others may count it lapsed: a node admitted from it just before this replica died is tainted
+        # (and seen quarantined by the others' watches) by then.
+        self.block, self.sync_seconds, self.reservation_ttl = block, sync_seconds, reservation_ttl
+        # One holder per process, not per worker id: a restarted replica must not take over (and overwrite)
+        # the reservation its dead predecessor may have filled with nodes not yet written into the window.
+        self.holder = f"{uuid.uuid4().hex[:12]}"
+        self._slots = 0  # unused slots of our reservation
+        self._valid_until = 0.0  # local clock: admit from the reservation only before this
+        self._used: dict[str, float] = {}  # admitted from the reservation, not yet in the window
+        self._since_write = 0  # admissions from the reservation since our last write
+        self._starved = False  # the last write could grant nothing: no top-up until a write frees some
+        self._tripped = False  # as our last write saw it
+        self._active = False  # admitted from the block since it was last handed back (a burst is on)
+        self._last_local = 0.0  # when we last admitted from the block
+        self._contended = False  # another replica waits for headroom held in reservations (our last write)
+        self._wake = asyncio.Event()
+        self.local_admissions = 0
+        self.writes = 0
 
     async def fleet_snapshot(self, fresh: bool = False) -> tuple[int, frozenset[str]]:
         """GPU nodes in the fleet, and those xidflow has quarantined now (cached ``fleet_cache_seconds``)."""
@@ -209,42 +355,165 @@ class Breaker:
         return (await self.fleet_snapshot())[0]
 
     async def admit(self, node: str) -> Admission:
+        if self._from_reservation(node):
+            return Admission(True)
         fut: asyncio.Future[Admission] = asyncio.get_running_loop().create_future()
         self._pending.append((node, fut))
+        self._kick()
+        return await fut
+
+    def _from_reservation(self, node: str) -> bool:
+        """Admit from our reserved slots, without a call: True when it did."""
+        now = time.time()
+        if self._tripped or now >= self._valid_until:
+            return False
+        if node not in self._used:  # a node admitted from it before (a redelivery) costs no second slot
+            if self._slots <= 0:
+                return False
+            self._slots -= 1
+            self._used[node] = now
+            self._since_write += 1
+            self.local_admissions += 1
+            self._active, self._last_local = True, now
+        if self._topup_due():
+            self._kick()  # write before the block runs dry; admissions go on from what is left meanwhile
+        elif self._flusher is None or self._flusher.done():
+            self._flusher = asyncio.create_task(self._flush())  # the periodic write of what we admitted
+        return True
+
+    def _linger(self) -> float:
+        """How long the flusher waits for work before its next write of the reservation."""
+        if self._contended:
+            return self.sync_seconds / 5  # others wait for what we hold: hand it back as soon as we can
+        if self._used or self._active:
+            return self.sync_seconds  # the window must learn of the nodes we admitted from the block
+        return self.reservation_ttl / 8  # idle: renew it (a burst then starts from it, without a write)
+
+    def _topup_due(self) -> bool:
+        return self._since_write > 0 and not self._starved and not self._contended and self._slots < self.block // 2
+
+    def _kick(self) -> None:
+        self._wake.set()
         if self._flusher is None or self._flusher.done():
             self._flusher = asyncio.create_task(self._flush())
-        return await fut
 
     async def _flush(self) -> None:
         # Every quarantine of the batch waits for this read-modify-write: it goes ahead of the taints
         # already queued (priority 0), or each batch of admissions waits behind the previous batch's taints.
         API_PRIORITY.set(-1)
-        while self._pending:
-            batch, self._pending = self._pending, []
-            nodes = list(dict.fromkeys(n for n, _ in batch))
-            try:
-                fleet, quarantined = await self.fleet_snapshot()
-                decisions = await update_json_configmap(
-                    self.kube,
-                    self.namespace,
-                    self.name,
-                    lambda s, nodes=nodes, fleet=fleet, quarantined=quarantined: decide_admissions(
-                        s, nodes, fleet, self.max_share, self.window, time.time(), quarantined
-                    ),
-                    seen=self._seen,
-                )
-            except Exception as exc:  # every waiter must learn of the failure, none may hang
-                for _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(exc)
-                continue
-            metrics.BREAKER_OPEN.set(0 if all(d.allowed for d in decisions.values()) else 1)
-            for node, decision in decisions.items():
-                if decision.tripped_now and self.on_trip is not None:
-                    await self.on_trip(decision, node)
-            for node, fut in batch:
+        while True:
+            if not self._pending and not self._topup_due():
+                # Holding a reservation with nothing waiting: write what we admitted from it within
+                # sync_seconds (the window must learn of them, and the reservation must not lapse), and
+                # hand it back once a whole period passed without an admission from it (the burst is over).
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    # Others wait for what we hold: hand it back as soon as we stop admitting from it.
+                    await asyncio.wait_for(self._wake.wait(), self._linger())
+                if not self._pending and not self._topup_due():
+                    # Hand the block back when another replica waits for it, or as soon as a burst is over
+                    # (a sync period without an admission from it, in the same write that records the last
+                    # ones): the tail of a burst on the other replica must not wait for it. Idle, it is
+                    # taken again in the next renewal.
+                    burst_over = self._active and time.time() - self._last_local >= self.sync_seconds
+                    if not await self._write([], release=self._contended or burst_over):
+                        await asyncio.sleep(self.sync_seconds)  # the API server failed us: do not spin
+                    continue
+            # Slots our last write granted serve the nodes that queued while it was in flight first: decided
+            # centrally instead, they would leave the slots unused, held from the other replicas.
+            batch = []
+            for node, fut in self._pending:
+                if not fut.done() and self._from_reservation(node):
+                    fut.set_result(Admission(True))
+                else:
+                    batch.append((node, fut))
+            self._pending = []
+            if batch or self._topup_due():
+                await self._write(batch, release=False)
+
+    async def _write(self, batch: list[tuple[str, asyncio.Future[Admission]]], release: bool) -> bool:
+        """One ``settle`` of the ConfigMap: the batch decided, our admissions recorded, our block renewed."""
+        nodes = list(dict.fromkeys(n for n, _ in batch))
+        used = dict(self._used)
+        if release:
+            self._slots = 0
+        keep = self._slots if time.time() < self._valid_until and not self._tripped else 0
+        want = 0 if release else self.block
+        since, self._since_write = self._since_write, 0
+        try:
+            fleet, quarantined = await self.fleet_snapshot()
+            result = await update_json_configmap(
+                self.kube,
+                self.namespace,
+                self.name,
+                lambda s: settle(
+                    s,
+                    self.holder,
+                    nodes,
+                    used,
+                    keep,
+                    want,
+                    fleet,
+                    self.max_share,
+                    self.window,
+                    time.time(),
+                    self.reservation_ttl,
+                    quarantined,
+                ),
+                seen=self._seen,
+            )
+        except Exception as exc:  # every waiter must learn of the failure, none may hang
+            self._since_write += since
+            for _, fut in batch:
                 if not fut.done():
-                    fut.set_result(decisions[node])
+                    fut.set_exception(exc)
+            return False
+        self.writes += 1
+        if release:
+            self._active = False
+        for node, at in used.items():
+            if self._used.get(node) == at:
+                del self._used[node]
+        # Slots taken from ``keep`` while the write was in flight are covered by it; a reservation that had
+        # lapsed meanwhile is not ours any more (what was admitted from it is quarantined by now).
+        self._slots = (self._slots if result.kept else 0) + result.granted
+        if self._slots:
+            self._valid_until = result.at + self.reservation_ttl / 2
+        self._starved = result.granted == 0 and want > keep
+        self._tripped, self._contended = result.tripped, result.contended
+        metrics.BREAKER_OPEN.set(1 if result.tripped else 0)
+        for node, decision in result.decisions.items():
+            if decision.tripped_now and self.on_trip is not None:
+                await self.on_trip(decision, node)
+        waiting = []
+        for node, fut in batch:
+            decision = result.decisions[node]
+            if fut.done():
+                continue
+            if decision.waiting and not self._from_reservation(node):
+                waiting.append((node, fut))
+            else:
+                fut.set_result(Admission(True) if decision.waiting else decision)
+        if waiting:
+            # The headroom is held by other replicas: they fill it, hand it back within sync_seconds or
+            # their reservation lapses (a dead one). Ask again shortly.
+            await asyncio.sleep(random.uniform(0.03, 0.08))
+            self._pending[:0] = waiting
+        return True
+
+    async def close(self) -> None:
+        """Stop writing; write the nodes admitted from our block and hand it back (bounded, best effort).
+
+        After the consumer stopped (no admission comes any more). Without it the reservation lapses after
+        ``reservation_ttl`` and the nodes admitted from it count as quarantined (the watch) meanwhile.
+        """
+        if self._flusher is not None:
+            self._flusher.cancel()
+            await asyncio.gather(self._flusher, return_exceptions=True)
+            self._flusher = None
+        if self._used or self._slots > 0:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._write([], release=True), 5)
 
     async def status(self) -> dict[str, Any]:
         state = await read_json_configmap(self.kube, self.namespace, self.name)
@@ -252,6 +521,7 @@ class Breaker:
         admitted = admitted_within(state, self.window, now)
         fleet, quarantined = await self.fleet_snapshot(fresh=True)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)
+        reserved = live_reservations(state, now, self.reservation_ttl)
         return {
             "tripped": bool(state.get("tripped")),
             "reason": state.get("reason", ""),
@@ -264,6 +534,13 @@ class Breaker:
             "window_seconds": self.window,
             "reset_by": state.get("reset_by"),
             "reset_at": state.get("reset_at"),
+            # Headroom replicas took in a burst: nodes admitted from it are counted above only once the
+            # replica writes them (within its sync period); until then the reservation counts for them.
+            "reserved": sum(int(r["n"]) for r in reserved.values()),
+            "reservations": {
+                h: {"slots": int(r["n"]), "lapses_in_s": round(float(r["at"]) + self.reservation_ttl - now, 1)}
+                for h, r in reserved.items()
+            },
         }
 
     async def reset(self, by: str) -> bool:
