@@ -13,7 +13,11 @@ call). Their bursts take turns, in pairs whose order flips (base, large | large,
 
 Running the worlds one after the other (base, large, base again, minutes apart) gave 0.17, 0.71,
 1.21, 1.36 for the same code: each burst met another load on the machine and another API server (the
-second base fleet ran on an etcd that had just held and deleted 10,000 nodes).
+second base fleet ran on an etcd that had just held and deleted 10,000 nodes). Pairs seconds apart
+still moved 0.70 to 3.19 under that load, so after the pairs both worlds also burst at the same
+moment, their lines interleaved (``SIDE_BY_SIDE`` rounds, ``*_together_*`` figures,
+``scale_burst_vs_base_together_ratio``): both bursts then meet the same load and the same API server,
+and only what differs between the worlds, the fleet the actuators watch, can make one slower.
 
 Every burst is ``nodes`` fresh nodes of its world that get one fatal line each: after a burst its nodes
 are deleted and as many new ones created in their place (the fleet keeps its size), and the breaker
@@ -50,6 +54,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,8 +81,17 @@ REBALANCE_MARKS = (b"because it is rebalancing", b"member_id was not recognized"
 RESYNC_S = 10.0
 """The actuators' resync period (``XIDFLOW_ACTUATOR_RESYNC_SECONDS``' default): the rest is sampled for two."""
 
-PAIRS = 3
-"""Pairs of bursts (one per world each): the median of three pairs' ratios stands one disturbed pair."""
+PAIRS = 4
+"""Pairs of bursts, one per world each, one world after the other. On this machine, shared with other
+runs, one pair's ratio ranged 0.70 to 3.19 within one run (a burst met someone else's test run)."""
+
+SIDE_BY_SIDE = 3
+"""Rounds where both worlds burst at the same moment: whatever load the machine has then, both bursts
+meet it, so their ratio does not move with it (``scale_burst_vs_base_together_ratio``)."""
+
+PROFILE_ENV = "XIDFLOW_BENCH_PROFILE_DIR"
+"""When set (and ``py-spy`` is on PATH): each burst's actuators are sampled by ``py-spy record`` (raw
+collapsed stacks, ``<dir>/<world>-<burst>-<actuator>.txt``) from the clock's start until the last taint."""
 
 SETTLE_S = 2.0
 """Quiet seconds before every burst: the API server's own work after the last writes is not the burst's."""
@@ -254,38 +269,82 @@ async def _wait(check: Any, limit_s: float, world: World) -> bool:
     return True
 
 
-async def _burst(world: World, idle: World, producer: Any, infra: dict[str, int], label: str) -> dict[str, Any]:
-    """One burst on ``world``'s current burst nodes: their figures, and the CPU each process spent on it."""
+def _profile(world: World, label: str) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` on each actuator of the world (``PROFILE_ENV``); nothing when not asked for."""
+    where, spy = os.environ.get(PROFILE_ENV), shutil.which("py-spy")
+    if not where or not spy:
+        return []
+    os.makedirs(where, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking",
+                              "--output", os.path.join(where, f"{label}-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in _actuator_pids(world).items()]
+
+
+async def _stop_profile(spies: list[subprocess.Popen[bytes]]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for spy in spies:
+        await asyncio.to_thread(spy.wait, 30)
+
+
+async def _bursts(group: dict[str, World], idle: World | None, producer: Any, infra: dict[str, int],
+                  label: str) -> dict[str, dict[str, Any]]:
+    """One burst on the current burst nodes of each world of ``group``, all at once (their lines
+    interleaved, the order flipped every node, so neither world's lines go first): each world's figures.
+
+    With one world and ``idle`` the other one, the CPU each process spent on the burst too (with two
+    bursting together the API server's CPU cannot be split between them)."""
     await asyncio.sleep(SETTLE_S)
-    sizes = _log_sizes(world)
-    watch = BurstWatch(world.kube, world.selector, await world.resource_version(), world.names)
-    watch.start()
-    tail = IncidentTail(world)
-    await tail.start()
+    sizes = {p: _log_sizes(w) for p, w in group.items()}
+    watches = {p: BurstWatch(w.kube, w.selector, await w.resource_version(), w.names) for p, w in group.items()}
+    tails = {p: IncidentTail(w) for p, w in group.items()}
+    for p in group:
+        watches[p].start()
+        await tails[p].start()
+    spies: list[subprocess.Popen[bytes]] = []
+    sent: dict[str, dict[str, float]] = {p: {} for p in group}
+    cpu: dict[str, float] | None = None
     try:
-        await asyncio.sleep(0.3)  # the watch is established before the clock starts
-        topic = world.topics.name("logs_kernel")
-        before = _cpu(world, idle, infra)
-        sent: dict[str, float] = {}
+        for p, w in group.items():
+            spies += _profile(w, f"{label}-{p}")
+        await asyncio.sleep(0.3)  # the watches are established before the clock starts (and py-spy attached)
+        only = next(iter(group.values())) if len(group) == 1 else None
+        before = _cpu(only, idle, infra) if only is not None and idle is not None else None
         futures = []
-        for i, node in enumerate(world.names):
-            sent[node] = time.time()
-            futures.append(await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode()))
+        prefixes = list(group)
+        for i in range(max(len(w.names) for w in group.values())):
+            for p in prefixes if i % 2 == 0 else prefixes[::-1]:
+                world = group[p]
+                if i < len(world.names):
+                    node = world.names[i]
+                    sent[p][node] = time.time()
+                    topic = world.topics.name("logs_kernel")
+                    futures.append(await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode()))
         await asyncio.gather(*futures)
-        await _wait(lambda: all(n in watch.tainted for n in sent), 180, world)
-        cpu = cpu_spent(before, _cpu(world, idle, infra))
-        world.progress(label, 1, 1)
-        settled = await _wait(lambda: not watch.unsettled, 180, world)
+        for p, w in group.items():
+            await _wait(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
+        if only is not None and idle is not None and before is not None:
+            cpu = cpu_spent(before, _cpu(only, idle, infra))
+        await _stop_profile(spies)
+        settled = {p: await _wait(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
     finally:
-        watch.stop()
-        await tail.stop()
-    latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
-    out = {**summarize("burst", latencies, len(sent)),
-           **stage_split("burst", sent, await incident_times(world), watch.tainted,
-                         await incident_times(world, "fault_events"), delivered=tail.seen)}
-    out["cpu_s"] = cpu
-    out["unsettled"] = 0 if settled else len(watch.unsettled)
-    out["rebalances"] = _marks_since(world, sizes)
+        await _stop_profile([s for s in spies if s.poll() is None])
+        for p in group:
+            watches[p].stop()
+            await tails[p].stop()
+    out: dict[str, dict[str, Any]] = {}
+    for p, world in group.items():
+        tainted = watches[p].tainted
+        latencies = [(tainted[n] - t) * 1000 for n, t in sent[p].items() if n in tainted]
+        figures = {**summarize("burst", latencies, len(sent[p])),
+                   **stage_split("burst", sent[p], await incident_times(world), tainted,
+                                 await incident_times(world, "fault_events"), delivered=tails[p].seen)}
+        if cpu is not None:
+            figures["cpu_s"] = cpu
+        figures["unsettled"] = 0 if settled[p] else len(watches[p].unsettled)
+        figures["rebalances"] = _marks_since(world, sizes[p])
+        out[p] = figures
     return out
 
 
@@ -346,24 +405,27 @@ def ratios(r: dict[str, Any]) -> dict[str, Any]:
 
     Pair i is the i-th burst of each world (``burst_order``: seconds apart, same API server): the
     large fleet's burst is compared with the base fleet's of its own pair, and the headline is the
-    median of those ratios, so one pair that met a disturbance on the machine does not make it.
+    median of those ratios, so one pair that met a disturbance on the machine does not make it. The
+    same for the rounds where both burst at once (``_together``).
     """
     big, base = r.get("scale_fleet"), r.get("scale_base_fleet")
     size = _ratio(big, base)
-    pairs = [_ratio(a, b) for a, b in zip(r.get("scale_burst_p99_ms_rounds") or [],
-                                            r.get("scale_base_burst_p99_ms_rounds") or [], strict=False)]
-    known = [p for p in pairs if p is not None]
     vs_raw = _ratio(r.get("scale_burst_p99_ms"), r.get("scale_raw_burst_ms"))
     base_vs_raw = _ratio(r.get("scale_base_burst_p99_ms"), r.get("scale_base_raw_burst_ms"))
-    out: dict[str, Any] = {
-        "scale_burst_vs_base_ratio": round(procstat.median(known), 3) if known else None,
-        "scale_burst_vs_base_pair_ratios": pairs,
+    out: dict[str, Any] = {}
+    for kind in ("", "_together"):
+        pairs = [_ratio(a, b) for a, b in zip(r.get(f"scale{kind}_burst_p99_ms_rounds") or [],
+                                                r.get(f"scale_base{kind}_burst_p99_ms_rounds") or [], strict=False)]
+        known = [p for p in pairs if p is not None]
+        out[f"scale_burst_vs_base{kind}_ratio"] = round(procstat.median(known), 3) if known else None
+        out[f"scale_burst_vs_base{kind}_pair_ratios"] = pairs
+    out.update({
         "scale_burst_vs_base_medians_ratio": _ratio(r.get("scale_burst_p99_ms"), r.get("scale_base_burst_p99_ms")),
         "scale_burst_vs_raw_ratio": vs_raw,
         "scale_base_burst_vs_raw_ratio": base_vs_raw,
         "scale_burst_vs_base_raw_normalized": _ratio(vs_raw, base_vs_raw),
         "scale_fleet_ratio": size,
-    }
+    })
     # Per node, large fleet over base fleet: about 1 when the cost is linear in the fleet, above when worse.
     for key in ("steady_s", "status_s", "breaker_status_s", "actuator_start_cpu_s"):
         grow = _ratio(r.get(f"scale_{key}"), r.get(f"scale_base_{key}"))
@@ -372,7 +434,8 @@ def ratios(r: dict[str, Any]) -> dict[str, Any]:
 
 
 async def scale(
-    bootstrap: str, kubeconfig: str, fleet: int, nodes: int, progress: Any = None, pairs: int = PAIRS
+    bootstrap: str, kubeconfig: str, fleet: int, nodes: int, progress: Any = None, pairs: int = PAIRS,
+    side_by_side: int = SIDE_BY_SIDE,
 ) -> dict[str, Any]:
     kw = {"progress": progress} if progress else {}
     worlds = {BASE: World(bootstrap, kubeconfig, nodes, 8, fleet=nodes, **kw),
@@ -391,15 +454,30 @@ async def scale(
             out.update(await _raw(prefix, world))
         infra = infra_pids(kubeconfig)
         order = burst_order(pairs)
+        rounds = dict.fromkeys(worlds, 0)
+
+        async def fresh(prefix: str) -> None:
+            # Every burst after a world's first needs new nodes: a tainted node is not tainted again.
+            if rounds[prefix]:
+                await _fresh_burst_nodes(worlds[prefix], rounds[prefix])
+            rounds[prefix] += 1
+
         bursts: dict[str, list[dict[str, Any]]] = {p: [] for p in worlds}
         for i, prefix in enumerate(order):
-            world = worlds[prefix]
             idle = next(w for p, w in worlds.items() if p != prefix)
-            if bursts[prefix]:
-                await _fresh_burst_nodes(world, len(bursts[prefix]))
-            bursts[prefix].append(await _burst(world, idle, producer, infra, f"burst {i + 1}/{len(order)}: {prefix}"))
+            await fresh(prefix)
+            figures = await _bursts({prefix: worlds[prefix]}, idle, producer, infra, f"burst{i + 1}of{len(order)}")
+            bursts[prefix].append(figures[prefix])
+        together: dict[str, list[dict[str, Any]]] = {p: [] for p in worlds}
+        for i in range(side_by_side):
+            for prefix in worlds:
+                await fresh(prefix)
+            for prefix, figures in (await _bursts(worlds, None, producer, infra, f"together{i + 1}")).items():
+                together[prefix].append(figures)
         for prefix, world in worlds.items():
             out.update(summarize_bursts(prefix, bursts[prefix]))
+            if side_by_side:
+                out.update(summarize_bursts(f"{prefix}_together", together[prefix]))
             out.update(await _after(prefix, world))
         out["scale_burst_order"] = order
         out.update(ratios(out))

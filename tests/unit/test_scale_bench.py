@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import time
 from pathlib import Path
 
 from pipeline.actuator.nodeview import NodeView
@@ -69,6 +70,10 @@ def test_ratios_compare_each_pair_of_bursts_and_say_how_costs_grow_per_node() ->
     assert r["scale_steady_s_growth_per_node"] == round(20.0 / round(10_004 / 504, 3), 3)
     assert r["scale_status_s_growth_per_node"] is None
     assert ratios({"scale_burst_p99_ms": 1.0})["scale_burst_vs_base_ratio"] is None
+    together = ratios({"scale_together_burst_p99_ms_rounds": [1200.0, 1000.0],
+                       "scale_base_together_burst_p99_ms_rounds": [1000.0, 1000.0]})
+    assert together["scale_burst_vs_base_together_pair_ratios"] == [1.2, 1.0]
+    assert together["scale_burst_vs_base_together_ratio"] == 1.1 and together["scale_burst_vs_base_ratio"] is None
     assert ratios({"scale_burst_p99_ms_rounds": [1.0], "scale_base_burst_p99_ms_rounds": [None]})[
         "scale_burst_vs_base_pair_ratios"] == [None]
 
@@ -119,8 +124,11 @@ def test_infra_processes_are_found_by_the_run_directory_in_their_command_line(tm
     (run / "controlplane").mkdir(parents=True)
     proc = subprocess.Popen(["sh", "-c", f"sleep 30 # --data-dir={run}/controlplane/etcd"])
     try:
-        found = infra_pids(str(run / "controlplane" / "kubeconfig"))
-        assert found == {"sh": proc.pid}
+        # Until the child has exec'd, its command line is still this process's.
+        deadline = time.monotonic() + 10
+        while (found := infra_pids(str(run / "controlplane" / "kubeconfig"))) != {"sh": proc.pid}:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.05)
         assert infra_pids(str(tmp_path / "elsewhere" / "controlplane" / "kubeconfig")) == {}
     finally:
         proc.kill()
