@@ -186,6 +186,8 @@ def bench(
         ("scale: the same burst on the base fleet", "scale_base_burst_p99_ms", "{:,.0f} ms"),
         ("scale: burst p99 fleet / base, each pair", "scale_burst_vs_base_pair_ratios", "{}"),
         ("scale: burst p99 fleet / base (goal <= 1.10)", "scale_burst_vs_base_ratio", "{:.2f}"),
+        ("scale: both fleets bursting at once, fleet / base", "scale_burst_vs_base_together_pair_ratios", "{}"),
+        ("scale: the same, median of those rounds", "scale_burst_vs_base_together_ratio", "{:.2f}"),
         ("scale: bare client, same writes", "scale_raw_burst_ms", "{:,.0f} ms"),
         ("scale: burst p99 / bare client", "scale_burst_vs_raw_ratio", "{:.2f}"),
         ("scale: base burst p99 / bare client", "scale_base_burst_vs_raw_ratio", "{:.2f}"),
