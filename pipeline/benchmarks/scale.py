@@ -43,8 +43,9 @@ node carries xidflow's own conditions again and the previous burst's flows are d
   "member_id was not recognized", "session expired") in the actuators' logs during its bursts: 0 says
   every burst ran on one stable assignment.
 
-Ratios: ``scale_burst_vs_base_ratio`` (goal <= 1.10; the median of the pairs' ratios,
-``scale_burst_vs_base_pair_ratios``), ``scale_burst_vs_raw_ratio``, and per-node ratios of steady-state
+Ratios: ``scale_burst_vs_base_together_ratio`` (goal <= 1.10; the median of the side-by-side rounds'
+ratios, the figure this machine's load does not move), ``scale_burst_vs_base_ratio`` (the median of the
+pairs' ratios, ``scale_burst_vs_base_pair_ratios``), ``scale_burst_vs_raw_ratio``, and per-node ratios of steady-state
 time, memory and status time between the two fleets (a linear cost gives a per-node ratio near 1; a
 super-linear one grows with the fleet). Not a test: it returns numbers.
 """
