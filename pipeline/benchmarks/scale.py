@@ -14,7 +14,7 @@ call). Their bursts take turns, in pairs whose order flips (base, large | large,
 Running the worlds one after the other (base, large, base again, minutes apart) gave 0.17, 0.71,
 1.21, 1.36 for the same code: each burst met another load on the machine and another API server (the
 second base fleet ran on an etcd that had just held and deleted 10,000 nodes). Pairs seconds apart
-still moved 0.70 to 3.19 under that load, so after the pairs both worlds also burst at the same
+still moved 0.61 to 4.71 under that load (14 pairs, four runs), so after the pairs both worlds also burst at the same
 moment, their lines interleaved (``SIDE_BY_SIDE`` rounds, ``*_together_*`` figures,
 ``scale_burst_vs_base_together_ratio``): both bursts then meet the same load and the same API server,
 and only what differs between the worlds, the fleet the actuators watch, can make one slower.
@@ -84,7 +84,7 @@ RESYNC_S = 10.0
 
 PAIRS = 4
 """Pairs of bursts, one per world each, one world after the other. On this machine, shared with other
-runs, one pair's ratio ranged 0.70 to 3.19 within one run (a burst met someone else's test run)."""
+runs, one pair's ratio ranged 0.61 to 4.71 within one run (a burst met someone else's test run)."""
 
 SIDE_BY_SIDE = 3
 """Rounds where both worlds burst at the same moment: whatever load the machine has then, both bursts
