@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, Field
 
 from schemas.records import Action, FaultKind, Severity, Source
@@ -102,7 +101,9 @@ class NodeState(BaseModel):
     )
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps(self.model_dump(mode="json"))
+        # pydantic's own JSON encoder, without the intermediate dict of model_dump (less than half the
+        # time of orjson over it; one state per touched node per batch). The decoder reads both.
+        return self.__pydantic_serializer__.to_json(self)
 
     @classmethod
     def from_bytes(cls, data: bytes | str) -> NodeState:
