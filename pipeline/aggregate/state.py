@@ -113,6 +113,23 @@ class NodeState(BaseModel):
         """True when ``tick`` may have something to close."""
         return any(not inc.action.quarantines for inc in self.incidents.values())
 
+    def tick_due(self, quiet_period_s: float) -> float | None:
+        """Wall time (epoch s) from which a tick of this state may change it; None: never.
+
+        A transient incident closes ``quiet_period_s`` after it was last seen (``rules.close_quiet``);
+        one it does not close that way (a health-check incident) keeps the node due at once, on every
+        tick, as ``has_transient`` always did (``tick`` also expires the node's history).
+        """
+        due: float | None = None
+        for inc in self.incidents.values():
+            if inc.action.quarantines:
+                continue
+            if inc.kind is FaultKind.HEALTH_CHECK:
+                return 0.0
+            at = inc.last_seen_wall + quiet_period_s
+            due = at if due is None else min(due, at)
+        return due
+
 
 def epoch(value: datetime) -> float:
     """A datetime as the epoch seconds the state stores."""
