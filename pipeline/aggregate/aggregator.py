@@ -280,9 +280,7 @@ class Aggregator:
         if event.kind is FaultKind.POD_ERROR and event.grade is SignalGrade.SYMPATHETIC and action.quarantines:
             # Defensive: step() never routes sympathetic errors here; they never quarantine alone.
             return []
-        # model_construct: every value is already typed (the event was validated on decode); pydantic's
-        # validation of the five records built per event was a third of the aggregation's own cost.
-        inc = OpenIncident.model_construct(
+        inc = OpenIncident(
             incident_id=stable_id(state.node, group, event.id),
             group=group,
             signature=sig,
@@ -341,8 +339,7 @@ class Aggregator:
 
     @staticmethod
     def _to_record(state: NodeState, inc: OpenIncident) -> NodeIncident:
-        # Typed values from the state: not validated again (see ``_open``).
-        return NodeIncident.model_construct(
+        return NodeIncident(
             incident_id=inc.incident_id,
             node=state.node,
             signature=inc.signature,

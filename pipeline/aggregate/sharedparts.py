@@ -100,7 +100,7 @@ def fabric_signal(
     last = last_emitted.get(cls)
     if last is not None and ts - last < every_s:
         return None
-    return FabricSignal.model_construct(  # typed values of a validated event: not validated again
+    return FabricSignal(
         signal_id=stable_id(node, "fabric", event.id),
         node=node,
         kind=event.kind,
