@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pipeline.aggregate.aggregator import Aggregator
 from pipeline.aggregate.state import NodeState
 from pipeline.aggregate.stream_batches import take_batches
+from pipeline.aggregate.tickindex import TickIndex
 from pipeline.kafka.fetch_watchdog import GuardedConsumer
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
@@ -50,6 +51,8 @@ def register(xapp: XidflowApp) -> None:
     ticks_name = xapp.ticks.get_topic_name()
     channel = app.topic(xapp.fault_events.get_topic_name(), ticks_name, key_serializer="raw", value_serializer="raw")
     settings = xapp.settings
+    due = TickIndex(xapp.aggregation.quiet_period_s)
+    table.on_restored = due.restored  # states recovered from the changelog: decoded once by the timer
 
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
@@ -64,7 +67,7 @@ def register(xapp: XidflowApp) -> None:
                 events = [event for event in events if id(event.message) in admitted]
             messages = [event.message for event in events]
             try:
-                changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog)
+                changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog, due)
                 if guarded:
                     # Acknowledged once the changelog has the states; the next batch need not wait.
                     consumer.finishing(messages, changelog)
@@ -79,13 +82,14 @@ def register(xapp: XidflowApp) -> None:
 
     @app.timer(interval=settings.tick_interval_s)
     async def request_ticks() -> None:
-        # Table writes must happen inside the agent (changelog ordering), so the timer only asks.
-        for key, stored in list(table.items()):
-            if stored is None:
+        # Table writes must happen inside the agent (changelog ordering), so the timer only asks; the
+        # index says for which nodes, without decoding every state (``pipeline.aggregate.tickindex``).
+        due.settle(table.get)
+        for key in due.due(time.time()):
+            if table.get(key) is None:
+                due.note(key, None)
                 continue
-            state = NodeState.from_bytes(stored)
-            if state.has_transient():
-                await xapp.ticks.send(key=key, value=b"tick", force=True)
+            await xapp.ticks.send(key=key, value=b"tick", force=True)
 
 
 async def _apply_batch(
@@ -95,11 +99,13 @@ async def _apply_batch(
     ticks_name: str,
     events: list[Any],
     previous: asyncio.Future[Any] | None = None,
+    due: TickIndex | None = None,
 ) -> asyncio.Future[Any]:
     """Apply one batch: incidents sent and acknowledged by the broker, then the node states written.
 
     Returns the changelog's acknowledgement of the states. ``previous`` (the last batch's) is waited
-    for before the states are sent: at most one batch's states are on their way at a time.
+    for before the states are sent: at most one batch's states are on their way at a time. ``due``
+    is told each state written (when a tick falls due for its node).
     """
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
@@ -113,6 +119,7 @@ async def _apply_batch(
         by_node.setdefault(key, []).append(event)
     now = time.time()
     new_states: list[tuple[bytes, bytes, int]] = []
+    written: list[tuple[bytes, NodeState]] = []
     for key, node_events in by_node.items():
         stored: bytes | None = table.get(key)
         if stored is None:
@@ -138,6 +145,7 @@ async def _apply_batch(
                 continue
             outputs += out
         new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
+        written.append((key, state))
         for record in outputs:
             # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
             # its "attachments") waits for the broker's acknowledgement of each record before it
@@ -154,7 +162,11 @@ async def _apply_batch(
         await asyncio.gather(*deliveries)
     if previous is not None:
         await asyncio.wait([previous])  # its failure is the consumer's to handle (``finishing``)
-    return await table.write(new_states)
+    durable = await table.write(new_states)
+    if due is not None:
+        for key, state in written:
+            due.note(key, state)
+    return durable
 
 
 async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:

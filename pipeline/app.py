@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,36 @@ def worker_topics(app_id: str, topics: TopicNames) -> list[str]:
     ]
 
 
+class ChangelogProducer(mode.Service):
+    """The node-state table's own Kafka producer, started and stopped with Faust's.
+
+    Why not Faust's producer: aiokafka keeps one request in flight per broker and client, so the
+    states of one batch (sent once its incidents are acknowledged) held back the incidents of the
+    next batch for their whole round trip: two round trips per batch on the way to an incident in a
+    burst. With its own client the changelog's request and the next incidents' travel side by side.
+    Settings as Faust's producer's: acknowledged by all in-sync replicas, the worker's batch size.
+    """
+
+    def __init__(self, bootstrap: str, client_id: str, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._bootstrap = bootstrap
+        self._client_id = client_id
+        self.producer: Any = None  # an AIOKafkaProducer once started (it needs the running loop)
+
+    async def on_start(self) -> None:
+        self.producer = kafka_clients.producer(
+            bootstrap=self._bootstrap,
+            client_id=self._client_id,
+            acks="all",
+            max_batch_size=PRODUCER_BATCH_BYTES,
+        )
+        await self.producer.start()
+
+    async def on_stop(self) -> None:
+        if self.producer is not None:
+            await self.producer.stop()  # sends what is pending first
+
+
 class NodeStateTable(faust.Table):
     """The node-state table, written with an explicit changelog partition.
 
@@ -61,16 +92,27 @@ class NodeStateTable(faust.Table):
     events the state was computed from (the node's partition of the fault-event topic).
     """
 
+    changelog_producer: ChangelogProducer | None = None
+    """Where ``write`` sends the states (``declare_app`` sets it); without one, Faust's producer."""
+    on_restored: Callable[[list[bytes]], None] | None = None
+    """Told the keys of the states the table took from its changelog (recovery), not from ``write``."""
+
+    def apply_changelog_batch(self, batch: Iterable[Any]) -> None:
+        batch = list(batch)  # read twice: by the store, then for its keys
+        super().apply_changelog_batch(batch)
+        if self.on_restored is not None:
+            self.on_restored([self._to_key(event.key) for event in batch])
+
     async def write(self, states: list[tuple[bytes, bytes, int]]) -> asyncio.Future[Any]:
         """Write node states (key, value, changelog partition): sent to the changelog, taken by the store.
 
         Returns the changelog's acknowledgement of them all (a future): the caller acknowledges its
         batch only once it is done, and reads the batch again if it failed; it need not wait for it
-        before its next batch. The records go straight to the producer. Faust's own way
-        (``table[key] = value``) hands each one to Faust's producer buffer, which sends them one loop
-        turn apiece, and waiting for that buffer took a loop turn and a timer per record (about
-        200-300 ms for 150 states in a burst); a changelog write that failed was not noticed either
-        (the producer's ``flush`` does not raise).
+        before its next batch. The records go straight to a producer (``ChangelogProducer``). Faust's
+        own way (``table[key] = value``) hands each one to Faust's producer buffer, which sends them
+        one loop turn apiece, and waiting for that buffer took a loop turn and a timer per record
+        (about 200-300 ms for 150 states in a burst); a changelog write that failed was not noticed
+        either (the producer's ``flush`` does not raise).
 
         The store takes the states at once, so the next batch builds on them. A failed changelog write
         leaves the store ahead of the changelog, never behind the incidents (the caller writes states
@@ -79,12 +121,21 @@ class NodeStateTable(faust.Table):
         Faust would write: the raw key and value (the table's ``raw`` codecs), so recovery reads it as
         before.
         """
-        producer = self.app.producer
         topic = self.changelog_topic.get_topic_name()
-        deliveries = [
-            await producer.send(topic, key, value, partition=partition, timestamp=None, headers=None)
-            for key, value, partition in states
-        ]
+        if self.changelog_producer is not None:
+            own = self.changelog_producer.producer
+            if own is None:
+                # Never Faust's producer instead: two clients would not keep a partition's states in order.
+                raise RuntimeError("the node-state changelog producer is not started")
+            deliveries = [
+                await own.send(topic, value=value, key=key, partition=partition) for key, value, partition in states
+            ]
+        else:
+            producer = self.app.producer
+            deliveries = [
+                await producer.send(topic, key, value, partition=partition, timestamp=None, headers=None)
+                for key, value, partition in states
+            ]
         for key, value, _ in states:
             self.data[key] = value
         return asyncio.gather(*deliveries)
@@ -227,6 +278,11 @@ def declare_app(
             key_type=bytes,
             value_type=bytes,  # NodeState.to_bytes(): the memory store then holds what the changelog holds
         )
+    )
+    # Started with Faust's producer, so before the agents, and stopped after them (Faust stops its
+    # producer after the consumer and the agents): no state is written to a stopped client.
+    node_state.changelog_producer = app.producer.add_dependency(
+        ChangelogProducer(bootstrap, client_id=f"{settings.app_id}-changelog")
     )
     xapp = XidflowApp(
         app=app,

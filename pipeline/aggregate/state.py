@@ -14,7 +14,6 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 from pydantic import BaseModel, Field
 
 from schemas.records import Action, FaultKind, Severity, Source
@@ -102,7 +101,9 @@ class NodeState(BaseModel):
     )
 
     def to_bytes(self) -> bytes:
-        return orjson.dumps(self.model_dump(mode="json"))
+        # pydantic's own JSON encoder, without the intermediate dict of model_dump (less than half the
+        # time of orjson over it; one state per touched node per batch). The decoder reads both.
+        return self.__pydantic_serializer__.to_json(self)
 
     @classmethod
     def from_bytes(cls, data: bytes | str) -> NodeState:
@@ -111,6 +112,23 @@ class NodeState(BaseModel):
     def has_transient(self) -> bool:
         """True when ``tick`` may have something to close."""
         return any(not inc.action.quarantines for inc in self.incidents.values())
+
+    def tick_due(self, quiet_period_s: float) -> float | None:
+        """Wall time (epoch s) from which a tick of this state may change it; None: never.
+
+        A transient incident closes ``quiet_period_s`` after it was last seen (``rules.close_quiet``);
+        one it does not close that way (a health-check incident) keeps the node due at once, on every
+        tick, as ``has_transient`` always did (``tick`` also expires the node's history).
+        """
+        due: float | None = None
+        for inc in self.incidents.values():
+            if inc.action.quarantines:
+                continue
+            if inc.kind is FaultKind.HEALTH_CHECK:
+                return 0.0
+            at = inc.last_seen_wall + quiet_period_s
+            due = at if due is None else min(due, at)
+        return due
 
 
 def epoch(value: datetime) -> float:

@@ -26,10 +26,18 @@ class FakeProducer:
         return future
 
 
+class FakeChangelogProducer(FakeProducer):
+    """aiokafka's ``send`` signature (the table's own producer, ``ChangelogProducer``)."""
+
+    async def send(self, topic, value=None, key=None, partition=None):  # noqa: ANN001, ANN201
+        return await super().send(topic, key, value, partition, None, None)
+
+
 def _app() -> tuple[object, FakeProducer]:
     xapp = create_app("127.0.0.1:1")
-    producer = FakeProducer()
-    xapp.app.producer = producer
+    xapp.app.producer = FakeProducer()  # incidents; never the states
+    producer = FakeChangelogProducer()
+    xapp.node_state.changelog_producer.producer = producer
     return xapp, producer
 
 
@@ -51,6 +59,20 @@ def test_node_states_go_to_the_changelog_at_once_and_the_write_returns_their_ack
         assert not durable.done()  # not before every record of the batch is acknowledged
         producer.sent[1][4].set_result(None)
         await durable
+        assert xapp.app.producer.sent == []  # the states have their own client (ChangelogProducer)
+
+    asyncio.run(main())
+
+
+def test_a_state_is_never_written_before_the_changelog_producer_started() -> None:
+    xapp = create_app("127.0.0.1:1")
+    xapp.app.producer = FakeProducer()
+
+    async def main() -> None:
+        # Faust's producer instead would put a partition's states on two clients, out of order.
+        with pytest.raises(RuntimeError):
+            await xapp.node_state.write([(b"node-a", b"state-1", 0)])
+        assert xapp.app.producer.sent == [] and xapp.node_state.get(b"node-a") is None
 
     asyncio.run(main())
 
