@@ -101,7 +101,8 @@ class NodeStateTable(faust.Table):
         batch = list(batch)  # read twice: by the store, then for its keys
         super().apply_changelog_batch(batch)
         if self.on_restored is not None:
-            self.on_restored([self._to_key(event.key) for event in batch])
+            # The keys are raw bytes (the table's raw codecs): what the store keeps them under, as they came.
+            self.on_restored([event.key for event in batch])
 
     async def write(self, states: list[tuple[bytes, bytes, int]]) -> asyncio.Future[Any]:
         """Write node states (key, value, changelog partition): sent to the changelog, taken by the store.
