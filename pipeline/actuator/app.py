@@ -9,7 +9,8 @@ from typing import Any
 
 from pipeline.actuator import signing
 from pipeline.actuator.audit import Auditor, NotifierLike, default_worker_id, make_record
-from pipeline.actuator.breaker import Admission, Breaker, DrainSlots
+from pipeline.actuator.breaker import Breaker, DrainSlots
+from pipeline.actuator.breaker_rules import Admission
 from pipeline.actuator.consumer import ActuatorConsumer
 from pipeline.actuator.effects import now_rfc3339, object_name
 from pipeline.actuator.engine import Engine

@@ -1,8 +1,8 @@
-"""Safety rails shared by every replica: the quarantine circuit breaker and cluster-wide drain slots.
+"""Safety rails shared by every replica: the quarantine circuit breaker and cluster-wide drain slots (I/O).
 
 Both keep their state in a ConfigMap written with its resourceVersion (optimistic concurrency), so
 all replicas see one breaker and one drain budget. The decisions are pure functions over that
-state; ``Breaker`` batches concurrent admissions into one read-modify-write so that a storm of
+state (``breaker_rules``); ``Breaker`` batches concurrent admissions into one read-modify-write so that a storm of
 incidents costs a few ConfigMap writes, not one per node.
 
 In a burst each replica also reserves a block of the breaker's headroom in that write (``settle``) and
@@ -21,269 +21,20 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import orjson
-
-from pipeline.actuator.kube import API_PRIORITY, AlreadyExists, Conflict, Kube, KubeUnavailable, NotFound
-from pipeline.actuator.ownership import CORDON, Ledger, is_shared_part_effect, taint_effect_key
+from pipeline.actuator.breaker_rules import (
+    Admission,
+    admitted_within,
+    live_reservations,
+    quarantined_by_xidflow,
+    settle,
+    take_drain_slot,
+)
+from pipeline.actuator.configmap_state import read_json_configmap, update_json_configmap
+from pipeline.actuator.kube import API_PRIORITY, Kube
 from pipeline.runtime import metrics
-
-T = TypeVar("T")
-STATE_KEY = "state"
-RESERVED_KEY = "reserved"
-"""In the breaker's state: holder -> {"n": slots, "at": when written}; see ``settle``."""
-WAITING_KEY = "waiting"
-"""In the breaker's state: holder -> when it last had a node wait for headroom others hold (``settle``)."""
-MANAGED_LABEL = {"app.kubernetes.io/managed-by": "xidflow"}
-
-
-async def update_json_configmap(
-    kube: Kube,
-    namespace: str,
-    name: str,
-    mutate: Callable[[dict[str, Any]], T],
-    attempts: int = 100,
-    seen: dict[str, Any] | None = None,
-) -> T:
-    """Read-modify-write of the JSON in a ConfigMap; retried on 409 with fresh state.
-
-    ``mutate`` changes the state in place and returns a result; it may run several times.
-    ``seen`` keeps the ConfigMap as this caller last wrote it (under ``"cm"``): a write starts from it
-    instead of reading first, conditional on its resourceVersion, so a writer nobody else interleaves
-    with pays one call, not two; a 409 reads it fresh. A decision that writes nothing is always taken
-    on a fresh read (nothing else would check it).
-    """
-    cached = seen.pop("cm", None) if seen is not None else None
-    for _ in range(attempts):
-        fresh = cached is None
-        if cached is not None:
-            cm, cached = cached, None
-        else:
-            try:
-                cm = await kube.get_configmap(namespace, name)
-            except NotFound:
-                cm = None
-        raw = ((cm or {}).get("data") or {}).get(STATE_KEY) or "{}"
-        state = orjson.loads(raw)
-        result = mutate(state)
-        new_raw = orjson.dumps(state, option=orjson.OPT_SORT_KEYS).decode()
-        if cm is not None and new_raw == raw:
-            if not fresh:
-                continue  # unchanged by our last write's view: decide on a fresh read
-            if seen is not None:
-                seen["cm"] = cm
-            return result
-        try:
-            if cm is None:
-                body = {
-                    "apiVersion": "v1",
-                    "kind": "ConfigMap",
-                    "metadata": {"name": name, "namespace": namespace, "labels": MANAGED_LABEL},
-                    "data": {STATE_KEY: new_raw},
-                }
-                written = await kube.create_configmap(namespace, body)
-            else:
-                cm["data"] = {**(cm.get("data") or {}), STATE_KEY: new_raw}
-                written = await kube.replace_configmap(namespace, name, cm)
-        except (Conflict, AlreadyExists):
-            if fresh:
-                await asyncio.sleep(random.uniform(0.005, 0.05))
-            continue
-        if seen is not None and written:
-            seen["cm"] = written
-        return result
-    raise KubeUnavailable(f"ConfigMap {namespace}/{name}: gave up after {attempts} conflicting writes")
-
-
-async def read_json_configmap(kube: Kube, namespace: str, name: str) -> dict[str, Any]:
-    try:
-        cm = await kube.get_configmap(namespace, name)
-    except NotFound:
-        return {}
-    return orjson.loads(((cm.get("data") or {}).get(STATE_KEY)) or "{}")
-
-
-# -- breaker -------------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Admission:
-    allowed: bool
-    reason: str = ""
-    tripped_now: bool = False
-    waiting: bool = False
-    """Not decided: the headroom left is held by other replicas' reservations (ask again shortly)."""
-
-
-def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
-    """Whether xidflow's own cordon or taint is on this Node now (its ledger owns it and it is in place).
-
-    A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node, nor a
-    shared-part taint (the part behind the node is blamed, not the node: ``pipeline.aggregate.sharedparts``).
-    """
-    meta, spec = node.get("metadata") or {}, node.get("spec") or {}
-    ledger = Ledger.from_annotations(meta.get("annotations"))
-    if spec.get("unschedulable") and ledger.owners(CORDON):
-        return True
-    present = {taint_effect_key(str(t.get("key")), str(t.get("effect"))) for t in spec.get("taints") or []}
-    return any(ledger.owners(effect) for effect in present if not is_shared_part_effect(effect))
-
-
-def admitted_within(state: Mapping[str, Any], window: float, now: float) -> dict[str, float]:
-    """Nodes the breaker admitted into quarantine within the window (node -> when). Pure."""
-    return {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
-
-
-def decide_admissions(
-    state: dict[str, Any],
-    nodes: list[str],
-    fleet_size: int,
-    max_share: float,
-    window: float,
-    now: float,
-    quarantined_now: frozenset[str] = frozenset(),
-    held: int = 0,
-) -> dict[str, Admission]:
-    """Admit nodes into quarantine while the share quarantined stays <= max_share.
-
-    The share counts every GPU node quarantined now (``quarantined_now``, read from the cluster) and
-    every node admitted within the window (quarantines the cluster read may not show yet). A node
-    already counted is admitted again for free (the cordon, the taint and a redelivery count once).
-    The first node that would cross the threshold trips the breaker; only a person resets it, and
-    a reset forgets the trip, not the nodes that are still quarantined.
-
-    ``held``: slots other replicas reserved and may still fill. A node that fits under the limit only
-    without them is not refused and does not trip: it waits (``Admission.waiting``) until they are
-    used (counted then), handed back or expired. The trip is decided on real nodes only.
-    """
-    admitted = admitted_within(state, window, now)
-    state["admitted"] = admitted
-    fleet = max(fleet_size, 1)
-    out: dict[str, Admission] = {}
-    # One set, grown as nodes are admitted: a fresh union per node made a burst of b nodes on a fleet
-    # with q quarantined cost b x q (seconds for a large burst on a large fleet).
-    counted = set(admitted) | quarantined_now
-    for node in nodes:
-        if state.get("tripped"):
-            out[node] = Admission(False, f"breaker open: {state.get('reason', '')}")
-        elif node in counted:
-            out[node] = Admission(True)
-        elif (len(counted) + 1) / fleet > max_share:
-            state["tripped"] = True
-            state["tripped_at"] = now
-            state["reason"] = (
-                f"quarantining {node} would put {len(counted) + 1} of {fleet} GPU nodes "
-                f"({(len(counted) + 1) / fleet:.0%}) in quarantine ({len(quarantined_now)} quarantined now, "
-                f"{len(admitted)} admitted within {window:g}s); limit {max_share:.0%}"
-            )
-            state["tripped_by"] = node
-            out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
-        elif (len(counted) + 1 + held) / fleet > max_share:
-            out[node] = Admission(False, f"{held} slots of the breaker's headroom held by other replicas", waiting=True)
-        else:
-            admitted[node] = now
-            counted.add(node)
-            out[node] = Admission(True)
-    return out
-
-
-def breaker_cap(fleet_size: int, max_share: float) -> int:
-    """The most GPU nodes the breaker lets count at once: the largest k with k / fleet <= max_share. Pure.
-
-    The same float comparison as ``decide_admissions`` (a product rounded down would differ from it by one
-    node for shares such as 0.29).
-    """
-    fleet = max(fleet_size, 1)
-    k = int(max_share * fleet)
-    while (k + 1) / fleet <= max_share:
-        k += 1
-    while k > 0 and k / fleet > max_share:
-        k -= 1
-    return k
-
-
-def live_reservations(state: Mapping[str, Any], now: float, ttl: float) -> dict[str, dict[str, float]]:
-    """Reservations renewed within ``ttl`` (holder -> {"n", "at"}); older ones belong to a dead replica. Pure."""
-    return {
-        h: r
-        for h, r in (state.get(RESERVED_KEY) or {}).items()
-        if now - float(r.get("at", 0)) <= ttl and int(r.get("n", 0)) > 0
-    }
-
-
-@dataclass(frozen=True)
-class Settlement:
-    """What one replica's write of the breaker's state decided (``settle``)."""
-
-    decisions: dict[str, Admission]
-    kept: bool
-    """The replica's reservation was still live: the part of it it kept stays its own."""
-    granted: int
-    """Slots added to the replica's reservation by this write."""
-    at: float
-    """When the reservation was written (it lapses ``ttl`` later unless written again)."""
-    tripped: bool
-    contended: bool = False
-    """Another replica has nodes waiting for headroom held in reservations: hand ours back."""
-
-
-def settle(
-    state: dict[str, Any],
-    holder: str,
-    nodes: list[str],
-    used: Mapping[str, float],
-    keep: int,
-    want: int,
-    fleet_size: int,
-    max_share: float,
-    window: float,
-    now: float,
-    ttl: float,
-    quarantined_now: frozenset[str] = frozenset(),
-) -> Settlement:
-    """One replica's read-modify-write of the breaker: its admissions from its block, a batch, its new block. Pure.
-
-    ``used``: nodes the replica admitted from its reservation since its last write; they enter the window
-    here (until now the reservation counted them). ``keep``: the unused slots it goes on admitting from
-    while this write is in flight (0 to hand them back); its reservation becomes ``keep`` plus a grant of
-    up to ``want - keep``, never more than half the headroom left, so the other replicas always find some.
-    ``nodes`` are decided by ``decide_admissions`` with every other live reservation held.
-
-    Invariant (``tests/unit/test_breaker_reservations.py``): the nodes counted plus every live
-    reservation never exceed ``breaker_cap``; a reservation is only ever filled by its holder.
-    """
-    reserved = live_reservations(state, now, ttl)
-    own = reserved.pop(holder, None)
-    kept = own is not None
-    keep = min(keep, int(own["n"])) if own is not None else 0
-    admitted = admitted_within(state, window, now)
-    for node, at in used.items():
-        admitted[node] = max(float(at), float(admitted.get(node, at)))
-    state["admitted"] = admitted
-    held = sum(int(r["n"]) for r in reserved.values())
-    decisions = decide_admissions(state, nodes, fleet_size, max_share, window, now, quarantined_now, held + keep)
-    tripped = bool(state.get("tripped"))
-    counted = len(state["admitted"].keys() | quarantined_now)
-    free = breaker_cap(fleet_size, max_share) - counted - held - keep
-    others_wait = any(h != holder and now - float(at) <= ttl for h, at in (state.get(WAITING_KEY) or {}).items())
-    # An even share of what is not counted yet among the holders (at least two: an actuator runs with a
-    # standby replica), so that two replicas splitting a burst both admit their half from their blocks.
-    share = (breaker_cap(fleet_size, max_share) - counted) // max(2, len(reserved) + 1)
-    granted = 0 if tripped or others_wait else max(0, min(want - keep, free, share - keep))
-    if keep + granted > 0:
-        reserved[holder] = {"n": keep + granted, "at": now}
-    state[RESERVED_KEY] = dict(sorted(reserved.items()))
-    # Who waits for held headroom: the holders see it in their next write and hand theirs back.
-    waiting = {h: at for h, at in (state.get(WAITING_KEY) or {}).items() if now - float(at) <= ttl and h != holder}
-    if any(d.waiting for d in decisions.values()):
-        # Kept, not refreshed, while it waits: a retry that changes nothing writes nothing (a read), so it
-        # never invalidates the write of the holder that is handing its slots back.
-        previous = (state.get(WAITING_KEY) or {}).get(holder)
-        waiting[holder] = previous if previous is not None and now - float(previous) <= ttl / 4 else now
-    state[WAITING_KEY] = dict(sorted(waiting.items()))
-    contended = any(h != holder for h in waiting)
-    return Settlement(decisions, kept, granted, now, tripped, contended)
 
 
 class Breaker:
@@ -570,18 +321,6 @@ class Breaker:
 
 
 # -- drain slots -------------------------------------------------------------------------------------------
-def take_drain_slot(state: dict[str, Any], node: str, worker: str, limit: int, stale_after: float, now: float) -> bool:
-    slots = {n: s for n, s in (state.get("slots") or {}).items() if now - float(s.get("at", 0)) <= stale_after}
-    state["slots"] = slots
-    if node in slots:
-        slots[node] = {"by": worker, "at": now}
-        return True
-    if len(slots) >= limit:
-        return False
-    slots[node] = {"by": worker, "at": now}
-    return True
-
-
 class DrainSlots:
     """A cluster-wide cap on nodes draining at once."""
 

@@ -4,7 +4,7 @@ Gauges (refreshed every ``XIDFLOW_METRICS_REFRESH_S`` from the reconciler's node
 of every GPU node, plus one read of the breaker's ConfigMap; nothing here lists nodes itself):
 
 - ``xidflow_quarantined_nodes``: GPU nodes carrying xidflow's own cordon or taint (the breaker's rule,
-  ``breaker.quarantined_by_xidflow``), ``xidflow_gpu_nodes`` the fleet;
+  ``breaker_rules.quarantined_by_xidflow``), ``xidflow_gpu_nodes`` the fleet;
 - ``xidflow_breaker_window_nodes`` / ``_share``: what the breaker counts against its limit (quarantined
   now, or admitted within its window), ``xidflow_breaker_open`` whatever replica tripped it;
 - ``xidflow_flow_oldest_step_age_seconds{action}`` and ``..._timeout_seconds{action}``: the oldest
@@ -27,7 +27,9 @@ from typing import Any
 from pipeline.actuator import actions
 from pipeline.actuator.actions.base import Kind
 from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
-from pipeline.actuator.breaker import Breaker, admitted_within, quarantined_by_xidflow, read_json_configmap
+from pipeline.actuator.breaker import Breaker
+from pipeline.actuator.breaker_rules import admitted_within, quarantined_by_xidflow
+from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
 from pipeline.actuator.nodeview import NodeView
 from pipeline.runtime import metrics
@@ -72,7 +74,7 @@ def label_values(webhooks: Iterable[str] = ()) -> dict[Any, list[tuple[str, ...]
 
 # -- pure computations --------------------------------------------------------------------------------
 def is_quarantined(view: NodeView) -> bool:
-    """``breaker.quarantined_by_xidflow`` of a cached view (one rule for the breaker and the gauge)."""
+    """``breaker_rules.quarantined_by_xidflow`` of a cached view (one rule for the breaker and the gauge)."""
     return quarantined_by_xidflow({"metadata": {"annotations": view.annotations},
                                    "spec": {"unschedulable": view.unschedulable, "taints": list(view.taints)}})
 

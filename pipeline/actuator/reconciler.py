@@ -30,7 +30,7 @@ from aiokafka.partitioner import murmur2
 from kubernetes.watch.watch import iter_resp_lines
 
 from pipeline.actuator.baseline_conditions import BaselineConditions
-from pipeline.actuator.breaker import quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import quarantined_by_xidflow
 from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.nodeview import NodeView
@@ -58,7 +58,7 @@ class Seen:
 
     view: NodeView
     quarantined: bool
-    """xidflow's quarantine is on it (``breaker.quarantined_by_xidflow``)."""
+    """xidflow's quarantine is on it (``breaker_rules.quarantined_by_xidflow``)."""
     attention: bool
     """It may need this replica's work (``Reconciler.attention``)."""
 
@@ -142,7 +142,7 @@ class Reconciler:
         for every node of the fleet (at 10,000 nodes most of a resync's CPU was hashing the same names)."""
         self.nodes: dict[str, NodeView] = {}
         self.quarantined: set[str] = set()
-        """Nodes of ``nodes`` carrying xidflow's quarantine (``breaker.quarantined_by_xidflow``), kept per event."""
+        """Nodes of ``nodes`` carrying xidflow's quarantine (``breaker_rules.quarantined_by_xidflow``), kept per event."""
         self.attention: set[str] = set()
         """Nodes of ``nodes`` that may need work, kept per event: an open flow, a cordon of ours a person
         removed (``needs_attention``), or xidflow's conditions to add (``BaselineConditions.needed``). Any

@@ -32,7 +32,7 @@ from typing import Any
 
 from pipeline.actuator import conditions, effects
 from pipeline.actuator.audit import Auditor, make_record
-from pipeline.actuator.breaker import read_json_configmap, update_json_configmap
+from pipeline.actuator.configmap_state import read_json_configmap, update_json_configmap
 from pipeline.actuator.effects import NodeChange
 from pipeline.actuator.kube import Forbidden, Kube, KubeUnavailable, NotFound
 from pipeline.actuator.nodestate import NodeWriter

@@ -64,7 +64,7 @@ from typing import Any
 
 import orjson
 
-from pipeline.actuator.breaker import update_json_configmap
+from pipeline.actuator.configmap_state import update_json_configmap
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes

@@ -301,7 +301,7 @@ STATUS_COLUMNS = [
 def status(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None,
            output: str, as_json: bool) -> None:
     """GPU nodes: state, fault, incident age, what xidflow applied and why, and the breaker."""
-    from pipeline.actuator.breaker import read_json_configmap
+    from pipeline.actuator.configmap_state import read_json_configmap
 
     settings = _settings(selector, namespace)
     kube = make_kube(resolve_kubeconfig(kubeconfig, context))

@@ -14,7 +14,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from pipeline.actuator.actions import Kind, StepContext
-from pipeline.actuator.breaker import decide_admissions, quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import decide_admissions, quarantined_by_xidflow
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import LEDGER_ANNOTATION, Ledger
 from pipeline.actuator.plan import Plan, plan_incident, plan_recovery_for

@@ -29,7 +29,7 @@ import orjson
 import pytest
 from kubernetes import client
 
-from pipeline.actuator.breaker import read_json_configmap
+from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.testing import make_incident, node_events, publish, set_node_ready, wait_until
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome

@@ -30,7 +30,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
-from pipeline.actuator.breaker import read_json_configmap
+from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.sharedparts import AUDIT_ACTION, CONDITION_TYPE, REASON, parts_of
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics

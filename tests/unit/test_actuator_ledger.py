@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from pipeline.actuator.actions.drain import drain_candidates
-from pipeline.actuator.breaker import decide_admissions, take_drain_slot
+from pipeline.actuator.breaker_rules import decide_admissions, take_drain_slot
 from pipeline.actuator.consumer import OffsetTracker, UndecodableRecord, decode_record
 from pipeline.actuator.effects import (
     choose_standby,

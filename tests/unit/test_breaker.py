@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pipeline.actuator.breaker import decide_admissions, quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import decide_admissions, quarantined_by_xidflow
 from pipeline.actuator.ownership import CORDON, LEDGER_ANNOTATION, Ledger, taint_effect_key
 
 NOW = 1_700_000_000.0

@@ -17,7 +17,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.actuator.breaker import breaker_cap, decide_admissions, settle
+from pipeline.actuator.breaker_rules import breaker_cap, decide_admissions, settle
 
 TTL = 20.0
 WINDOW = 1e9  # the model's nodes never leave the window: the guarantee is checked on every admission ever

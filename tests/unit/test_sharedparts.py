@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pipeline.actuator.breaker import quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import quarantined_by_xidflow
 from pipeline.actuator.ownership import Ledger, taint_effect_key
 from pipeline.actuator.policy import PolicyError, load_yaml_text
 from pipeline.actuator.sharedparts import observe_all, taint_key
