@@ -142,7 +142,7 @@ class Reconciler:
         for every node of the fleet (at 10,000 nodes most of a resync's CPU was hashing the same names)."""
         self.nodes: dict[str, NodeView] = {}
         self.quarantined: set[str] = set()
-        """Nodes of ``nodes`` carrying xidflow's quarantine (``breaker_rules.quarantined_by_xidflow``), kept per event."""
+        """Nodes of ``nodes`` carrying xidflow's quarantine (``breaker_rules.quarantined_by_xidflow``), per event."""
         self.attention: set[str] = set()
         """Nodes of ``nodes`` that may need work, kept per event: an open flow, a cordon of ours a person
         removed (``needs_attention``), or xidflow's conditions to add (``BaselineConditions.needed``). Any

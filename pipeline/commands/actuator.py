@@ -46,6 +46,8 @@ def actuator(
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.commands.status import resolve_kubeconfig, sentences
     from pipeline.detection.catalog import Catalog, CatalogError
+    from pipeline.runtime import gcpolicy
+    from pipeline.runtime.gcpolicy import GcSettings
     from pipeline.runtime.heartbeat import with_liveness
     from pipeline.runtime.metrics import serve_metrics
     from pipeline.runtime.settings import KafkaSettings, describe_validation_error
@@ -58,6 +60,7 @@ def actuator(
     try:
         settings = ActuatorSettings(**overrides)
         api_settings = ApiSettings()
+        gc_settings = GcSettings()
     except ValidationError as exc:
         raise click.ClickException(describe_validation_error(exc)) from None
     except SettingsError as exc:
@@ -115,6 +118,7 @@ def actuator(
 
     def work() -> None:
         """The replica itself: the loop, the clients and their threads are made here, after the fork."""
+        gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
             try:
                 asyncio.run(main())

@@ -64,6 +64,7 @@ def worker(
     from pipeline.aggregate.settings import AggregationSettings
     from pipeline.detection.catalog import Catalog, CatalogError
     from pipeline.detection.parse_settings import ParseSettings
+    from pipeline.runtime.gcpolicy import GcSettings
 
     try:  # every setting is checked before anything connects: a bad value changes nothing
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
@@ -71,6 +72,7 @@ def worker(
         group = ConsumerGroupSettings(**{k: v for k, v in group_overrides.items() if v is not None})
         AggregationSettings()
         ParseSettings()
+        gc_settings = GcSettings()
         Catalog.configured()  # the instance every stage of this process classifies with (overrides included)
     except ValidationError as exc:
         raise click.ClickException(describe_validation_error(exc)) from None
@@ -96,7 +98,7 @@ def worker(
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
-    from pipeline.runtime import allocator, metrics, supervisor
+    from pipeline.runtime import allocator, gcpolicy, metrics, supervisor
     from pipeline.runtime.heartbeat import install_faust
     from pipeline.runtime.logconfig import current, dict_config
     from pipeline.runtime.metrics import serve_metrics
@@ -107,6 +109,7 @@ def worker(
     def work() -> None:
         """The worker itself: every thread, loop and connection is made here, after the fork."""
         allocator.tune()  # before the first burst: large blocks are then given back when freed
+        gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
         xapp = create_app(bootstrap, settings, topics, group=group)
         install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)

@@ -55,6 +55,7 @@ def test_bad_arguments_exit_non_zero(args: list[str]) -> None:
         ({"XIDFLOW_AGG_QUIET_PERIOD_S": "-1"}, [], "XIDFLOW_AGG_QUIET_PERIOD_S"),
         ({"XIDFLOW_TOPIC_LOGS_KERNEL": "no spaces"}, [], "XIDFLOW_TOPIC_LOGS_KERNEL"),
         ({"XIDFLOW_WORKER_PARSE": "false", "XIDFLOW_WORKER_AGGREGATE": "false"}, [], "would do nothing"),
+        ({"XIDFLOW_GC_THRESHOLD0": "5"}, [], "XIDFLOW_GC_THRESHOLD0"),
     ],
 )
 def test_worker_refuses_settings_that_disable_it_with_one_sentence(env: dict, args: list[str], named: str) -> None:
@@ -71,6 +72,7 @@ def test_worker_refuses_settings_that_disable_it_with_one_sentence(env: dict, ar
         ({"XIDFLOW_ACTUATOR_TAINT_KEY": "nvidia.com/" + "x" * 64}, "XIDFLOW_ACTUATOR_TAINT_KEY"),
         ({"XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE": "/nonexistent/reboot.yaml"}, "XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE"),
         ({"XIDFLOW_API_TOKEN_FILE": "/nonexistent/tokens"}, "XIDFLOW_API_TOKEN_FILE"),
+        ({"XIDFLOW_GC_THRESHOLD2": "often"}, "XIDFLOW_GC_THRESHOLD2"),
     ],
 )
 def test_actuator_refuses_what_kubernetes_or_the_filesystem_would(env: dict, named: str) -> None:
