@@ -152,6 +152,10 @@ class ParseStage:
                         failure = upstream.locate_undecodable(exc)
                         if failure is None:
                             raise  # not a batch: the connection or the broker (the host restarts the stage)
+                        # Other partitions' records this getmany took before the failure: their
+                        # positions are past them already, so they are processed now or never.
+                        if drained := upstream.drained_before(exc):
+                            await self._handle(consumer, producer, drained)
                         await self._undecodable(consumer, producer, failure)
                         continue
                     if batches:

@@ -240,7 +240,9 @@ class GuardedConsumer(upstream.FaustConsumer):
             if failure is None:
                 raise
             self._hold(failure)
-            return {}
+            # Other partitions' records this fetch took before the failure (their positions are past
+            # them already): handed out now, or never read.
+            records = upstream.drained_before(exc)
         self.seek_fence.fetched()
         return records
 

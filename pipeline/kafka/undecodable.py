@@ -5,7 +5,10 @@ codec's library is missing (``UnsupportedCodecError``: lz4, snappy and zstd need
 field failure of issue 21), a CRC mismatch (``CorruptRecordException``), a compressed payload that
 does not decompress — ``getmany`` raises, names no partition, delivers none of the partition's
 records of that fetch (not even the good ones before the bad batch) and raises again on every later
-fetch of the same offset. A stage that lets it escape restarts forever and reads nothing at all.
+fetch of the same offset. A stage that lets it escape restarts forever and reads nothing at all. The
+records of other partitions that the same ``getmany`` had already taken (their positions moved past
+them) go down with the exception: ``upstream.drained_before`` gets them back, and the stage processes
+them before it deals with the batch.
 
 ``locate`` finds the partition and the batch's offsets in the exception's traceback (aiokafka's
 record iterator, ``PartitionRecords._unpack_records``, holds both); ``Undecodable`` decides:

@@ -25,7 +25,8 @@ What is used, by whom:
   group as a static member); the admin client's ``_send_request`` and the protocol classes of
   ``aiokafka.protocol`` and ``aiokafka.coordinator.protocol`` (DescribeGroups v4, which aiokafka's
   admin does not offer); the frame of ``PartitionRecords._unpack_records`` (where a batch that
-  cannot be decoded is).
+  cannot be decoded is) and of ``Fetcher.fetched_records`` (the records ``getmany`` had already taken
+  out of the fetcher, positions advanced, when that batch raised).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
 - Faust's ``Stream``: ``_active_agens``, ``_enable_passive`` and ``_processors`` (a batch generator
   that keeps filling while the agent works).
@@ -37,6 +38,7 @@ from collections.abc import AsyncGenerator, Callable
 from types import TracebackType
 from typing import Any
 
+from aiokafka.consumer.fetcher import Fetcher
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import UnsupportedCodecError
 from aiokafka.protocol.api import Request, RequestStruct, Response
@@ -268,6 +270,8 @@ def assigned_partitions(assignment: bytes | None) -> tuple[tuple[str, int], ...]
 # -- a batch that cannot be decoded --------------------------------------------------------------
 
 _RECORD_ITERATOR = "_unpack_records"  # aiokafka.consumer.fetcher.PartitionRecords._unpack_records
+_FETCHER_DRAIN = "fetched_records"  # aiokafka.consumer.fetcher.Fetcher.fetched_records
+_DRAINED = "drained"  # its dict of the records taken out so far: {tp: [records]}
 
 
 def locate_undecodable(exc: BaseException) -> Failure | None:
@@ -300,3 +304,23 @@ def locate_undecodable(exc: BaseException) -> Failure | None:
     error = text if type(exc).__name__ in text else f"{type(exc).__name__}: {text}"
     return Failure(tp.topic, tp.partition, first, last, reason, error)
 
+
+
+def drained_before(exc: BaseException) -> dict[Any, list[Any]]:
+    """The records ``getmany`` had already handed itself when a batch of another partition failed to decode.
+
+    aiokafka's ``Fetcher.fetched_records`` takes the fetched partitions one after the other into a local
+    dict and advances each one's fetch position as it goes (``FetchResult.getall``). A decode failure
+    of a later partition leaves that dict behind with the exception: the records in it are handed to
+    nobody, their positions are past them, and a consumer that goes on never reads them (a stage would
+    commit past them). They are the exception's to hand out: the caller processes them like a
+    ``getmany`` answer. Empty when nothing was taken before the failure, or ``exc`` is no such failure.
+    """
+    tb: TracebackType | None = exc.__traceback__
+    while tb is not None:
+        frame = tb.tb_frame
+        if frame.f_code.co_name == _FETCHER_DRAIN and isinstance(frame.f_locals.get("self"), Fetcher):
+            drained = frame.f_locals.get(_DRAINED)
+            return {tp: list(records) for tp, records in drained.items() if records} if drained else {}
+        tb = tb.tb_next
+    return {}

@@ -32,7 +32,7 @@ import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
-from aiokafka.consumer.fetcher import PartitionRecords
+from aiokafka.consumer.fetcher import Fetcher, FetchResult, PartitionRecords
 from aiokafka.record.default_records import DefaultRecordBatch
 from faust.streams import Stream
 from faust.tables.manager import TableManager
@@ -279,6 +279,21 @@ def test_the_record_iterator_holds_the_partition_and_the_batch_in_its_frame() ->
     for attr in ("base_offset", "last_offset_delta"):
         assert hasattr(DefaultRecordBatch, attr), (
             f"{AIOKAFKA}: record batches lost .{attr} (upstream.locate_undecodable)")
+
+
+def test_fetched_records_drains_into_a_local_dict_and_moves_positions_as_it_goes() -> None:
+    # The loss upstream.drained_before undoes: getall advances each partition's position while
+    # fetched_records collects the records in its local ``drained``, which a decode failure of a later
+    # partition drops (tests/integration/test_undecodable_neighbours.py shows it on a real broker).
+    fn = getattr(Fetcher, upstream._FETCHER_DRAIN, None)
+    assert fn is not None, f"{AIOKAFKA} renamed Fetcher.fetched_records: upstream.drained_before finds nothing"
+    assert upstream._DRAINED in fn.__code__.co_varnames, (
+        f"{AIOKAFKA}: Fetcher.fetched_records' locals are {fn.__code__.co_varnames}, upstream.drained_before "
+        f"reads {upstream._DRAINED!r}: re-check how it hands out records before a decode failure")
+    getall = inspect.getsource(FetchResult.getall)
+    assert "self._update_position()" in getall, (
+        f"{AIOKAFKA} changed when FetchResult.getall moves the position: re-check upstream.drained_before "
+        "(records it hands out may now be fetched again, or lost some other way)")
 
 
 # ---------------------------------------------------------------------------------------------------------

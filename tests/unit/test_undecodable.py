@@ -112,3 +112,51 @@ def test_a_fault_makes_the_component_stalled_at_once_until_cleared() -> None:
     assert c.stalled(2.0) == "parse:g: undecodable record batch at t[0] offset 5"
     c.clear("t[0]")
     assert c.stalled(2.0) is None
+
+
+# -- the records getmany had taken before the failure --------------------------------------------
+
+
+async def test_records_drained_before_another_partitions_decode_failure_are_handed_out() -> None:
+    """aiokafka's real ``Fetcher.fetched_records`` over real batches: partition 1 is taken (position
+    moved past it) before partition 3's corrupt batch raises; ``drained_before`` returns partition 1's
+    records, exactly the ones whose position moved, and nothing of partition 3."""
+    from aiokafka.consumer.fetcher import Fetcher, FetchResult
+    from aiokafka.consumer.subscription_state import SubscriptionState
+
+    from pipeline.kafka.upstream import drained_before
+
+    good_tp, bad_tp = TopicPartition(TP.topic, 1), TP
+    bad = bytearray(batch(0, 2) + batch(2, 3))
+    bad[-5] ^= 0x20  # a value byte of the second batch: its CRC no longer matches
+    subscriptions = SubscriptionState()
+    subscriptions.assign_from_user([good_tp, bad_tp])
+    assignment = subscriptions.subscription.assignment
+    for tp in (good_tp, bad_tp):
+        subscriptions.seek(tp, 0)
+
+    def result(tp: TopicPartition, data: bytes) -> FetchResult:
+        records = PartitionRecords(tp, MemoryRecords(data), [], 0, None, None, True, 0)
+        return FetchResult(tp, assignment=assignment, partition_records=records, backoff=0)
+
+    fetcher = Fetcher.__new__(Fetcher)  # its drain loop only: no client, no fetch task
+    fetcher._subscriptions = subscriptions
+    fetcher._wait_consume_future = None
+    fetcher._records = {good_tp: result(good_tp, batch(0, 4)), bad_tp: result(bad_tp, bytes(bad))}
+    with pytest.raises(KafkaError) as info:
+        await fetcher.fetched_records((), timeout=0)
+    failure = locate(info.value)
+    assert failure is not None and (failure.partition, failure.first_offset) == (3, 2)
+    assert assignment.state_value(good_tp).position == 4  # moved: nobody would read 0-3 again
+    drained = drained_before(info.value)
+    assert {tp: [r.offset for r in rs] for tp, rs in drained.items()} == {good_tp: [0, 1, 2, 3]}
+    assert assignment.state_value(bad_tp).position == 0  # the failing partition did not move
+
+
+def test_nothing_is_drained_from_an_exception_raised_elsewhere() -> None:
+    from pipeline.kafka.upstream import drained_before
+
+    try:
+        raise KafkaError("not from the fetcher")
+    except KafkaError as exc:
+        assert drained_before(exc) == {}
