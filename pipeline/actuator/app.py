@@ -109,6 +109,7 @@ class Actuator:
             s.breaker_window_seconds,
             s.fleet_cache_seconds,
             on_trip=self._on_trip,
+            block=s.breaker_reserve_block,
         )
         self.drains = DrainSlots(
             self.kube, s.namespace, s.drains_configmap, s.max_concurrent_drains, s.claim_timeout_seconds
