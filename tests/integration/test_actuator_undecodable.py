@@ -107,3 +107,69 @@ async def test_a_corrupt_incidents_batch_is_dead_lettered_once_and_the_actuator_
         assert f"{incidents}[{bad_partition}] offset {offsets[bad_node]}" in letter["reason"], letter["reason"]
     finally:
         await env.close()
+
+
+async def test_an_lz4_batch_without_its_codec_library_holds_its_partition_and_the_rest_flows(
+    kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str], tmp_path: Path
+) -> None:
+    """The actuator process in an image without ``cramjam`` (lz4 cannot be decoded): the lz4 batch's
+    partition is held (not skipped, not committed past: the data is fine, a restart with the library reads
+    it), the process keeps running and every other partition's incident is acted on."""
+    from tests.integration.test_codecs import NO_CRAMJAM
+    from tests.integration.test_metrics_processes import Process, actuator_env, eventually, free_port, value
+
+    env = Env(kafka_bootstrap, kubeconfig, unique)
+    incidents = env.topics.name("incidents")
+    await ensure_topics(env.bootstrap, [incidents], PARTITIONS)
+    await ensure_topics(env.bootstrap, [env.topics.name(n) for n in
+                                        ("remediation_requests", "fabric_signals", "remediation_audit",
+                                         "deadletter")], 1)
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_CRAMJAM)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("kind: RescuePolicy\nmetadata: {name: held}\nspec:\n  rules:\n"
+                      "  - {priority: 10, codes: [79], actions: [{name: cordon}]}\n")
+    group, port = unique("g"), free_port()
+    proc: Process | None = None
+    try:
+        names = await env.make_nodes(PARTITIONS)
+        held, plain = names[0], names[1:]
+        lz4 = kafka_clients.producer(bootstrap=env.bootstrap, acks="all", compression_type="lz4")
+        await lz4.start()
+        try:
+            await lz4.send_and_wait(incidents, make_incident(held, f"inc-{held}").to_bytes(), key=held.encode(),
+                                    partition=0)
+        finally:
+            await lz4.stop()
+        producer = kafka_clients.producer(bootstrap=env.bootstrap, acks="all")
+        await producer.start()
+        try:
+            for p, node in enumerate(plain, start=1):
+                await producer.send_and_wait(incidents, make_incident(node, f"inc-{node}").to_bytes(),
+                                             key=node.encode(), partition=p)
+        finally:
+            await producer.stop()
+        proc = Process("actuator", ["actuator", "--no-api", "--log-level", "warning"],
+                       {**actuator_env(env, kubeconfig, group, policy, port), "PYTHONPATH": str(site)}, tmp_path)
+
+        async def plain_cordoned() -> bool:
+            assert proc.proc.poll() is None, proc.tail()
+            return all([(await env.node(n))["spec"].get("unschedulable") for n in plain])
+
+        await wait_until(plain_cordoned, 90, poll=0.5, what="incidents of the other partitions acted on")
+        samples = await eventually(proc, port, lambda s: value(
+            s, "xidflow_held_partitions", stage="actuator", topic=incidents) == 1, "the held partition")
+        assert value(samples, "xidflow_undecodable_batches_total", stage="actuator", topic=incidents,
+                     reason="unsupported_codec") == 1
+        log_text = proc.log.read_text(errors="replace")
+        assert f"actuator: undecodable record batch at {incidents}[0] offset 0" in log_text, proc.tail()
+        assert "partition HELD" in log_text
+        assert not (await env.node(held))["spec"].get("unschedulable")
+        got, _ = await committed(env.bootstrap, group, incidents)
+        assert got.get(0, -1) <= 0, got  # nothing committed past the held batch
+        assert proc.proc.poll() is None, proc.tail()
+    finally:
+        if proc is not None:
+            proc.stop()
+        await env.close()
