@@ -7,11 +7,19 @@ replica owns the node finishes it) or, for a record that starts no flow, its eff
 audited - so a crash replays, never skips (the effects are idempotent), and a long wait inside a flow
 does not hold back its partition. Undecodable records go to the dead-letter topic before their offset
 counts as done.
+
+A record batch aiokafka cannot decode (``pipeline.kafka.undecodable``) would escape ``getmany`` on every
+fetch: the process would exit and meet it again after each restart. It is handled as in the parse stage
+instead: the records other partitions' fetches had already yielded are dispatched, the partition's good
+records before the batch are read, and then a corrupt batch is dead-lettered (naming its offsets) and
+skipped - its offsets count as done only once the dead letter is durable - while a batch whose codec
+library is missing holds (pauses) its partition, uncommitted, until a restart with the library.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import logging
 from collections import defaultdict
@@ -24,6 +32,7 @@ from pydantic import ValidationError
 
 from pipeline.actuator import signing
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka import undecodable, undecodable_fetch, upstream
 from pipeline.kafka.membership import leave_on_close
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
@@ -44,6 +53,8 @@ Handler = Callable[[ActuatorRecord, Callable[[], None]], Awaitable[None]]
 log = logging.getLogger("xidflow.actuator.consumer")
 STAGE = metrics.ACTUATOR
 """The stage its dead letters name (the metric label ``stage``): the process's own name."""
+POLL_TIMEOUT_MS = 200
+MAX_RECORDS = 1000
 
 
 class OffsetTracker:
@@ -169,6 +180,7 @@ class ActuatorConsumer:
         # Proof of origin (issue 12): rescue requests must carry the decision API's signature.
         self.verifier = signing.Verifier.from_settings()
         self.refuse: Callable[[RescueActionRequest, str], Awaitable[None]] | None = None
+        self.undecodable = undecodable.Undecodable()
 
     async def start(self) -> None:
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
@@ -209,14 +221,70 @@ class ActuatorConsumer:
                     # Backpressure: stop fetching until workers catch up.
                     await asyncio.sleep(0.05)
                     continue
-                batches = await self.consumer.getmany(timeout_ms=200, max_records=1000)
-                for tp, messages in batches.items():
-                    for msg in messages:
-                        await self._dispatch(tp, msg)
+                try:
+                    batches = await self.consumer.getmany(timeout_ms=POLL_TIMEOUT_MS, max_records=MAX_RECORDS)
+                except Exception as exc:
+                    failure = upstream.locate_undecodable(exc)
+                    if failure is None:
+                        raise  # not a batch: the connection or the broker (the process is restarted)
+                    # Other partitions' records this getmany took before the failure: their positions
+                    # are past them already, so they are dispatched now or never.
+                    await self._dispatch_all(upstream.drained_before(exc))
+                    await self._undecodable(failure)
+                    continue
+                await self._dispatch_all(batches)
         finally:
             committer.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await committer
+
+    async def _dispatch_all(self, batches: dict[TopicPartition, list[Any]]) -> None:
+        for tp, messages in batches.items():
+            for msg in messages:
+                await self._dispatch(tp, msg)
+
+    async def _undecodable(self, failure: undecodable.Failure) -> None:
+        """A batch of one partition could not be decoded: dispatch up to it, then hold it or skip it."""
+        consumer = self.consumer
+        decision = await undecodable_fetch.approach(consumer, self.undecodable, failure, self._dispatch_all,
+                                                    poll_timeout_ms=POLL_TIMEOUT_MS, max_records=MAX_RECORDS)
+        if decision is None:
+            return
+        action, failure = decision.action, decision.failure
+        tp = TopicPartition(failure.topic, failure.partition)
+        if action is undecodable.Action.RETRY:
+            consumer.seek(tp, decision.position)
+            return
+        text = failure.describe(action)
+        topic_label = metrics.bounded(tp.topic, self.topics)
+        if self.undecodable.first_report(failure):
+            log.error("actuator: %s", text)
+            metrics.UNDECODABLE_BATCHES.labels(STAGE, topic_label, failure.reason.value).inc()
+        if action is undecodable.Action.HOLD:
+            consumer.pause(tp)  # nothing of it is dispatched, so nothing is committed past the batch
+            self.undecodable.hold(failure)
+            self._held_gauges()
+            return
+        # SKIP: the dead letter first, durable; only then do the batch's offsets count as done (committed
+        # once every earlier offset of the partition is), and the partition reads on after it.
+        resume = self.undecodable.resume_after(failure)
+        letter = DeadLetter.of(STAGE, text, None, DeadLetterCode.UNDECODABLE, topic=tp.topic,
+                               partition=tp.partition, offset=failure.first_offset)
+        self._dead_letters.report(letter)
+        await self.producer.send_and_wait(self.deadletter_topic, letter.to_bytes())
+        self.tracker.started(tp, resume - 1)
+        self.tracker.done(tp, resume - 1)
+        consumer.seek(tp, resume)
+
+    def release_held(self) -> None:
+        """A new assignment resumes every partition (aiokafka forgets pauses): a held batch is met again."""
+        self.undecodable.release_all()
+        self._held_gauges()
+
+    def _held_gauges(self) -> None:
+        held = collections.Counter(metrics.bounded(t, self.topics) for t, _ in self.undecodable.held)
+        for topic in dict.fromkeys([*self.topics, *held]):
+            metrics.HELD_PARTITIONS.labels(STAGE, topic).set(held.get(topic, 0))
 
     async def _dispatch(self, tp: TopicPartition, msg: Any) -> None:
         self.tracker.started(tp, msg.offset)
@@ -334,6 +402,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         owner = self.owner
+        owner.release_held()
         if owner.on_assigned is None or owner.consumer is None:
             return
         incidents = next(t for t, kind in owner.topics.items() if kind == "incidents")

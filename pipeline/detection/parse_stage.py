@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import dataclasses
 import logging
 import time
 from typing import Any
@@ -39,7 +38,7 @@ from pipeline.detection.parse_core import STAGE, BatchResult, ParseCore
 from pipeline.detection.parse_outputs import Output, OutputSender, StageCounters, per_record
 from pipeline.detection.parse_settings import ParseSettings
 from pipeline.kafka import clients as kafka_clients
-from pipeline.kafka import undecodable, upstream
+from pipeline.kafka import undecodable, undecodable_fetch, upstream
 from pipeline.kafka.membership import leave_on_close
 from pipeline.runtime import metrics
 from pipeline.runtime.liveness import LIVENESS, Component
@@ -239,31 +238,13 @@ class ParseStage:
         stay buffered in the consumer for the next ``getmany``.
         """
         tp = TopicPartition(failure.topic, failure.partition)
-        s = self.settings
-        for _ in range(APPROACH_ROUNDS):
-            self.live.beat()
-            if tp not in consumer.assignment():
-                return  # moved away meanwhile: its new owner meets the batch
-            position = await consumer.position(tp)
-            action = self.undecodable.decide(failure, position)
-            if action is not undecodable.Action.APPROACH:
-                break
-            consumer.seek(tp, position)  # drop the half-read fetch: fetch again from the position
-            try:
-                got = await consumer.getmany(tp, timeout_ms=s.poll_timeout_ms,
-                                             max_records=min(failure.first_offset - position, s.max_records))
-            except Exception as exc:
-                again = upstream.locate_undecodable(exc)
-                if again is None:
-                    raise
-                # Offsets before the batch are not all records (a control batch, compaction): the batch
-                # cannot be told apart from what precedes it; treat it as starting at the position.
-                failure = dataclasses.replace(again, first_offset=min(position, again.first_offset))
-                continue
-            if got.get(tp):
-                await self._handle(consumer, producer, {tp: got[tp]})
-        else:
-            return  # not there yet: the next getmany meets the batch again
+        decision = await undecodable_fetch.approach(
+            consumer, self.undecodable, failure, lambda got: self._handle(consumer, producer, got),
+            poll_timeout_ms=self.settings.poll_timeout_ms, max_records=self.settings.max_records,
+            beat=self.live.beat)
+        if decision is None:
+            return
+        action, failure, position = decision.action, decision.failure, decision.position
         if action is undecodable.Action.RETRY:
             log.debug("undecodable batch at %s[%d]@%s: fetching it once more", tp.topic, tp.partition, failure.offsets)
             consumer.seek(tp, position)
@@ -394,11 +375,6 @@ class ParseStage:
             self.counters.commit_failures += 1
             log.warning("parse commit failed (%s); records will be replayed by the partition owner", exc)
             return False
-
-
-APPROACH_ROUNDS = 50
-"""Fetches of the good records before an undecodable batch, at most, before the stage goes on (and meets
-the batch again at the next ``getmany``)."""
 
 
 async def _let_fetcher_run() -> None:
