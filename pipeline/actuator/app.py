@@ -241,7 +241,12 @@ class Actuator:
             stopper.cancel()
             self.consumer._stopping.set()
             failed = self.consumer.failed
-            await asyncio.gather(runner, return_exceptions=True)
+            (ended,) = await asyncio.gather(runner, return_exceptions=True)
+            # What escaped the consumer (not a node worker's failure, which sets ``failed``): said here, or
+            # the process would exit 0 without a line (the Kafka client raising out of a fetch, say).
+            error = ended if isinstance(ended, Exception) else None
+            if error is not None:
+                log.error("actuator: the consumer stopped: %s: %s", type(error).__name__, error, exc_info=error)
             await self.stop()
-        if failed or self.consumer.failed:
-            raise RuntimeError("the actuator consumer stopped after an unexpected error; see the log")
+        if failed or self.consumer.failed or error is not None:
+            raise RuntimeError("the actuator consumer stopped after an unexpected error; see the log") from error

@@ -246,3 +246,22 @@ async def test_api_server_down_for_a_while_is_retried_and_applied_later(env: Env
         server.server_close()
     assert (await env.node(name))["spec"]["unschedulable"] is True
     assert ("cordon", "applied") in outcomes(await env.audit(), name)
+
+
+async def test_an_error_escaping_the_consumer_is_logged_and_ends_the_process_non_zero(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Whatever escapes ``consumer.run`` (a Kafka client error no handler knew) must not end the process with
+    status 0 and no line: the orchestrator would not know to restart it, and nobody would know why."""
+
+    class Breaking(Actuator):
+        async def run(self) -> None:
+            await asyncio.sleep(0.2)
+            raise OSError("the broker's answer could not be read")  # what the client raises, in its place
+
+    act = Breaking(env.settings(worker_id="breaks"), KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=env.bootstrap), env.topics,
+                   env.kubeconfig)
+    with pytest.raises(RuntimeError, match="consumer stopped") as raised:
+        await asyncio.wait_for(act.run_forever(asyncio.Event()), 60)
+    assert isinstance(raised.value.__cause__, OSError)
+    assert any("the consumer stopped: OSError" in r.getMessage() for r in caplog.records)
