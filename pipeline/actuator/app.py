@@ -248,5 +248,5 @@ class Actuator:
             if error is not None:
                 log.error("actuator: the consumer stopped: %s: %s", type(error).__name__, error, exc_info=error)
             await self.stop()
-        if failed or self.consumer.failed or error is not None:
+        if failed or self.consumer.failed or (error is not None and not stop.is_set()):
             raise RuntimeError("the actuator consumer stopped after an unexpected error; see the log") from error
