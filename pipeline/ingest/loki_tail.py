@@ -32,7 +32,7 @@ import logging
 import random
 import ssl
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -42,7 +42,8 @@ import orjson
 from websockets.exceptions import InvalidStatus
 
 from pipeline.kafka import clients as kafka_clients
-from pipeline.kafka import upstream
+from pipeline.kafka import undecodable_fetch, upstream
+from pipeline.kafka.undecodable import Failure, Undecodable
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
 from schemas.records import DeadLetter, DeadLetterCode
@@ -61,6 +62,8 @@ MAX_DELAY_FOR_S = 5  # Loki rejects delay_for above 5 seconds
 DEFAULT_LIMIT = 5000  # Loki's default max_entries_limit_per_query; larger limits are refused
 RESUME_HEADER = "xidflow-loki-tail"
 DEFAULT_RESUME_SCAN = 10_000
+RESUME_APPROACH_RECORDS = 500
+"""Records per fetch while the resume scan reads a partition up to a batch it cannot decode."""
 
 
 @dataclass(frozen=True)
@@ -354,14 +357,31 @@ class LokiTailBridge:
             for tp in partitions:
                 consumer.seek(tp, max(begins[tp], ends[tp] - self.resume_scan))
             pending = {tp for tp in partitions if ends[tp] > begins[tp]}
-            while pending:
-                batch = await consumer.getmany(*pending, timeout_ms=1000)
+            ours = (RESUME_HEADER, self.identity.encode())
+            # Corrupt batches are skipped at the first failure: the scan only looks for the cursor.
+            undecodable = Undecodable(attempts_before_skip=1)
+
+            async def take(batch: dict[Any, list[Any]]) -> None:
+                nonlocal found
                 for records in batch.values():
                     for rec in records:
-                        if (RESUME_HEADER, self.identity.encode()) in list(rec.headers or ()):
+                        if ours in list(rec.headers or ()):
                             for entry in parse_tail_message(rec.value).entries:
                                 self.cursor.mark(entry)
                                 found += 1
+
+            while pending:
+                try:
+                    batch = await consumer.getmany(*pending, timeout_ms=1000)
+                except Exception as exc:
+                    failure = upstream.locate_undecodable(exc)
+                    if failure is None:
+                        raise
+                    # Other partitions' records taken before the failure: their positions moved past them.
+                    await take(upstream.drained_before(exc))
+                    await self._skip_undecodable(consumer, undecodable, failure, take)
+                    continue
+                await take(batch)
                 for tp in list(pending):
                     if await consumer.position(tp) >= ends[tp]:
                         pending.discard(tp)
@@ -371,6 +391,33 @@ class LokiTailBridge:
             log.info("resuming tail %s after %d records of ours, from start=%s", self.identity, found,
                      self.cursor.last_ts_ns)
         return found
+
+    async def _skip_undecodable(
+        self,
+        consumer: Any,
+        undecodable: Undecodable,
+        failure: Failure,
+        take: Callable[[dict[Any, list[Any]]], Awaitable[None]],
+    ) -> None:
+        """Take the partition's good records before a batch nobody here can decode, then seek past it.
+
+        Any other producer may write this topic with any codec, so such a batch is legal and must not stop
+        the start (it would meet the batch again after every restart). No dead letter here: the scan only
+        looks for the cursor, and the parse stage dead-letters (or holds) the batch when it reads the topic.
+        A batch of ours lost this way only makes the cursor older: Loki replays, nothing is missed.
+        """
+        decision = await undecodable_fetch.approach(consumer, undecodable, failure, take,
+                                                    poll_timeout_ms=1000, max_records=RESUME_APPROACH_RECORDS)
+        if decision is None:
+            return  # not reached yet: the next getmany meets the batch again and approaches further
+        failure = decision.failure
+        if undecodable.first_report(failure):
+            log.warning("loki-tail resume scan: undecodable record batch at %s[%d] offset %s (%s, %s); "
+                        "skipped for the cursor, the parse stage dead-letters it when it reads the topic",
+                        failure.topic, failure.partition, failure.offsets, failure.reason.value, failure.error)
+        from aiokafka import TopicPartition
+
+        consumer.seek(TopicPartition(failure.topic, failure.partition), undecodable.resume_after(failure))
 
     async def run(self, stop: asyncio.Event | None = None) -> BridgeStats:
         """Tail until ``stop`` is set, reconnecting with backoff; returns the counters."""
