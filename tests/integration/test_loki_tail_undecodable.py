@@ -10,16 +10,23 @@ resume must not raise and must find the cursor from every good record.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
+import subprocess
+import sys
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from pipeline.ingest.loki_tail import LokiTailBridge, TailEntry, encode_entry
+from pipeline.ingest.loki_tail import RESUME_HEADER, LokiTailBridge, TailEntry, encode_entry, tail_identity
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
+from tests.integration.test_loki_tail import REPO, LokiTailServer
 from tests.integration.test_undecodable_neighbours import _corrupt_on_disk
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -29,16 +36,21 @@ PER_PARTITION = 4
 QUERY = '{job="gpu-kmsg"}'
 
 
-async def test_resume_scan_skips_an_undecodable_batch_and_finds_the_cursor(
-    private_kafka, caplog: pytest.LogCaptureFixture
-) -> None:
-    cluster = private_kafka(1)
+@dataclass(frozen=True)
+class Written:
+    topic: str
+    dead: str
+    bad_partition: int
+    newest: TailEntry  # the newest good entry, after the bad batch
+    twin: TailEntry  # another good entry at the same time, in another partition
+
+
+async def write_with_a_corrupt_batch(cluster: Any, identity: str) -> Written:
+    """The output topic as loki-tail (``identity``) left it, one of its batches corrupted on disk."""
     tag = uuid.uuid4().hex[:6]
     topic, dead = f"lt-undec-{tag}-logs", f"lt-undec-{tag}-dead"
     await ensure_topics(cluster.bootstrap, [topic, dead], PARTITIONS)
-    bridge = LokiTailBridge(loki_url="http://127.0.0.1:9", query=QUERY, topic=topic,
-                            bootstrap_servers=cluster.bootstrap, deadletter_topic=dead, resume_scan=100)
-    headers = [("xidflow-loki-tail", bridge.identity.encode())]
+    headers = [(RESUME_HEADER, identity.encode())]
     base = time.time_ns() - 60 * 10**9
     bad_partition = 1
     entries: dict[int, list[TailEntry]] = {
@@ -49,11 +61,10 @@ async def test_resume_scan_skips_an_undecodable_batch_and_finds_the_cursor(
     }
     # The bad record is the second of its partition (good ones before and after it) and claims the newest
     # time of all; the newest good entry is the last of its partition, after the bad batch.
-    bad = TailEntry(base + 10**9, entries[bad_partition][1].labels, f"BAD-{tag}")
-    entries[bad_partition][1] = bad
+    entries[bad_partition][1] = TailEntry(base + 10**9, entries[bad_partition][1].labels, f"BAD-{tag}")
     newest = TailEntry(base + 10**8, entries[bad_partition][-1].labels, f"newest {tag}")
     entries[bad_partition][-1] = newest
-    twin = TailEntry(newest.ts_ns, entries[0][0].labels, f"twin {tag}")  # same time, another partition
+    twin = TailEntry(newest.ts_ns, entries[0][0].labels, f"twin {tag}")
     entries[0][-1] = twin
     producer = kafka_clients.producer(bootstrap=cluster.bootstrap, acks="all")
     await producer.start()
@@ -65,13 +76,60 @@ async def test_resume_scan_skips_an_undecodable_batch_and_finds_the_cursor(
     finally:
         await producer.stop()
     _corrupt_on_disk(Path(cluster.root), topic, bad_partition, f"BAD-{tag}".encode())
+    return Written(topic, dead, bad_partition, newest, twin)
+
+
+async def test_resume_scan_skips_an_undecodable_batch_and_finds_the_cursor(
+    private_kafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = private_kafka(1)
+    written = await write_with_a_corrupt_batch(cluster, tail_identity(QUERY, None))
+    bridge = LokiTailBridge(loki_url="http://127.0.0.1:9", query=QUERY, topic=written.topic,
+                            bootstrap_servers=cluster.bootstrap, deadletter_topic=written.dead, resume_scan=100)
 
     with caplog.at_level(logging.WARNING, logger="pipeline.ingest.loki_tail"):
         found = await bridge.resume_from_kafka()
 
     assert found == PARTITIONS * PER_PARTITION - 1
-    assert bridge.cursor.last_ts_ns == newest.ts_ns
-    assert bridge.cursor.seen_at_last == {newest.identity, twin.identity}
+    assert bridge.cursor.last_ts_ns == written.newest.ts_ns
+    assert bridge.cursor.seen_at_last == {written.newest.identity, written.twin.identity}
     warnings = [r.getMessage() for r in caplog.records if "undecodable" in r.getMessage()]
     assert len(warnings) == 1, warnings
-    assert f"{topic}[{bad_partition}] offset 1" in warnings[0]
+    assert f"{written.topic}[{written.bad_partition}] offset 1" in warnings[0]
+
+
+async def test_the_loki_tail_command_stays_up_with_a_corrupt_batch_in_its_resume_window(
+    private_kafka, tmp_path: Path
+) -> None:
+    """The real process: it resumes past the batch, then tails Loki from the cursor it found, and stays up."""
+    cluster = private_kafka(1)
+    written = await write_with_a_corrupt_batch(cluster, tail_identity(QUERY, None))
+    log = tmp_path / "loki-tail.log"
+    env = {**os.environ, "XIDFLOW_METRICS_PORT": "0"}
+    env.pop("LOKI_ORG_ID", None)
+    async with LokiTailServer(batch_size=100, drop_after_messages=[]) as loki:
+        with log.open("wb") as out:
+            proc = await asyncio.to_thread(
+                subprocess.Popen,
+                [sys.executable, "-m", "pipeline.cli", "loki-tail", "--loki-url", loki.url, "--query", QUERY,
+                 "--topic", written.topic, "--bootstrap", cluster.bootstrap],
+                env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+            )
+
+        def up() -> None:
+            assert proc.poll() is None, f"loki-tail exited {proc.returncode}:\n{log.read_text(errors='replace')}"
+
+        try:
+            deadline = time.monotonic() + 90
+            while not loki.requests:  # the resume scan is over once it asks Loki
+                up()
+                assert time.monotonic() < deadline, log.read_text(errors="replace")
+                await asyncio.sleep(0.2)
+            await asyncio.sleep(1)
+            up()
+            assert int(loki.requests[0]["start"][0]) == written.newest.ts_ns
+            assert (f"undecodable record batch at {written.topic}[{written.bad_partition}] offset 1"
+                    in log.read_text(errors="replace"))
+        finally:
+            proc.terminate()
+            await asyncio.to_thread(proc.wait, 30)
