@@ -358,7 +358,8 @@ class LokiTailBridge:
                 consumer.seek(tp, max(begins[tp], ends[tp] - self.resume_scan))
             pending = {tp for tp in partitions if ends[tp] > begins[tp]}
             ours = (RESUME_HEADER, self.identity.encode())
-            # Corrupt batches are skipped at the first failure: the scan only looks for the cursor.
+            # Corrupt batches are skipped at the first failure, and a batch whose codec library is missing
+            # is skipped too instead of held: the scan only looks for the cursor, it cannot wait for a fix.
             undecodable = Undecodable(attempts_before_skip=1)
 
             async def take(batch: dict[Any, list[Any]]) -> None:
@@ -413,7 +414,7 @@ class LokiTailBridge:
         failure = decision.failure
         if undecodable.first_report(failure):
             log.warning("loki-tail resume scan: undecodable record batch at %s[%d] offset %s (%s, %s); "
-                        "skipped for the cursor, the parse stage dead-letters it when it reads the topic",
+                        "skipped for the cursor (the parse stage dead-letters or holds it when it reads the topic)",
                         failure.topic, failure.partition, failure.offsets, failure.reason.value, failure.error)
         from aiokafka import TopicPartition
 
