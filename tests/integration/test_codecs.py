@@ -36,6 +36,7 @@ from pipeline.runtime.liveness import LIVENESS
 from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import PARTITIONS, XID, Pipeline, Worker, healthz, kmsg, wait_ready
 from tests.integration.test_rsyslog import Rsyslogd
+from tests.integration.test_undecodable_neighbours import _corrupt_on_disk
 
 pytestmark = pytest.mark.integration
 
@@ -326,17 +327,6 @@ async def test_lz4_without_its_library_is_held_loudly_and_read_after_the_fix(
 
 
 # -- a batch nobody can decode: skipped behind a dead letter naming its offsets ---------------------------
-def _corrupt_on_disk(root: Path, topic: str, needle: bytes) -> None:
-    """Change one byte of the record holding ``needle`` in the partition's segment on the broker's disk."""
-    segments = list(root.glob(f"**/data/{topic}-0/*.log"))
-    assert len(segments) == 1, segments
-    data = bytearray(segments[0].read_bytes())
-    at = data.find(needle)
-    assert at > 0
-    data[at] ^= 0x20  # a letter's case: the record's CRC no longer matches
-    segments[0].write_bytes(bytes(data))
-
-
 async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_goes_on(
     private_kafka, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -359,7 +349,7 @@ async def test_a_corrupt_batch_is_skipped_with_a_dead_letter_and_the_partition_g
                                                  key=n.encode(), partition=0)).offset for n in nodes]
     finally:
         await producer.stop()
-    _corrupt_on_disk(Path(cluster.root), raw, nodes[1].encode())
+    _corrupt_on_disk(Path(cluster.root), raw, 0, nodes[1].encode())
 
     stage = ParseStage(bootstrap, f"crc-{uuid.uuid4().hex[:6]}", topics=topics,
                        settings=ParseSettings(poll_timeout_ms=50), input_topics=[raw])
