@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import pytest
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
@@ -64,8 +65,7 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
                            log=lambda m: print(f"[secured-kafka] {m}", flush=True))
     try:
         cluster.start()
-        names = [*worker_topics("xidflow", topics), topics.name("remediation_requests"),
-                 topics.name("remediation_audit")]
+        names = list(dict.fromkeys([*worker_topics("xidflow", topics), *actuator_topics(topics)]))
         asyncio.run(ensure_topics(cluster.bootstrap, names, 4, settings=cluster.client_settings(ADMIN_USER)))
     except Exception as exc:  # noqa: BLE001 - a broker that cannot start fails the tests, loudly
         cluster.stop()

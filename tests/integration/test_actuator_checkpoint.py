@@ -25,6 +25,7 @@ from typing import Any
 import pytest
 
 from pipeline.actuator import checkpoint
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import make_incident, publish, wait_until
 from pipeline.kafka.admin import ensure_topics
@@ -48,8 +49,7 @@ CODE = 48  # double-bit ECC: RESET_GPU, the GPU still runs
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-    await ensure_topics(kafka_bootstrap, [world.topics.name(n) for n in names], partitions=1)
+    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
     await ensure_ns(world.kube, world.namespace)
     yield world
     await world.close()

@@ -9,6 +9,7 @@ import orjson
 import pytest
 from click.testing import CliRunner
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import make_incident
 from pipeline.cli import cli
 from pipeline.kafka.admin import ensure_topics
@@ -82,8 +83,7 @@ def test_actuator_command_runs_consumes_and_stops_on_sigterm(
     run = loop.run_until_complete
     proc = None
     try:
-        names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-        run(ensure_topics(kafka_bootstrap, [env.topics.name(n) for n in names], partitions=2))
+        run(ensure_topics(kafka_bootstrap, actuator_topics(env.topics), partitions=2))
         (name,) = run(env.make_nodes(1))
         proc_env = {
             **os.environ,

@@ -29,6 +29,7 @@ import orjson
 import pytest
 from kubernetes import client
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.testing import make_incident, node_events, publish, set_node_ready, wait_until
 from pipeline.kafka.admin import ensure_topics
@@ -46,9 +47,8 @@ TAINT_KEY = "nvidia.com/gpu-fault"
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
     # One partition: exactly one replica owns the node at a time, so the one to kill is known.
-    await ensure_topics(kafka_bootstrap, [world.topics.name(n) for n in names], partitions=1)
+    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
     await ensure_ns(world.kube, world.namespace)
     yield world
     await world.close()

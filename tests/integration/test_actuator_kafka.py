@@ -17,7 +17,7 @@ from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from kubernetes import config
 
-from pipeline.actuator.app import Actuator, ensure_namespace
+from pipeline.actuator.app import Actuator, actuator_topics, ensure_namespace
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueAction, RescueActionRequest
 from pipeline.actuator.testing import make_incident, node_events, publish, wait_until
@@ -33,8 +33,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-    await ensure_topics(kafka_bootstrap, [world.topics.name(n) for n in names], partitions=4)
+    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=4)
     yield world
     await world.close()
 

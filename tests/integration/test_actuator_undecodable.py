@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import make_incident, node_events, wait_until
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
@@ -41,9 +42,7 @@ async def test_a_corrupt_incidents_batch_is_dead_lettered_once_and_the_actuator_
     env = Env(cluster.bootstrap, kubeconfig, unique)
     incidents = env.topics.name("incidents")
     await ensure_topics(env.bootstrap, [incidents], PARTITIONS)
-    await ensure_topics(env.bootstrap, [env.topics.name(n) for n in
-                                        ("remediation_requests", "fabric_signals", "remediation_audit",
-                                         "deadletter")], 1)
+    await ensure_topics(env.bootstrap, [n for n in actuator_topics(env.topics) if n != incidents], 1)
     try:
         names = await env.make_nodes(PARTITIONS * PER_PARTITION)
         nodes = {p: names[p * PER_PARTITION:(p + 1) * PER_PARTITION] for p in range(PARTITIONS)}
@@ -121,9 +120,7 @@ async def test_an_lz4_batch_without_its_codec_library_holds_its_partition_and_th
     env = Env(kafka_bootstrap, kubeconfig, unique)
     incidents = env.topics.name("incidents")
     await ensure_topics(env.bootstrap, [incidents], PARTITIONS)
-    await ensure_topics(env.bootstrap, [env.topics.name(n) for n in
-                                        ("remediation_requests", "fabric_signals", "remediation_audit",
-                                         "deadletter")], 1)
+    await ensure_topics(env.bootstrap, [n for n in actuator_topics(env.topics) if n != incidents], 1)
     site = tmp_path / "site"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_CRAMJAM)

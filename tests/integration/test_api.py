@@ -29,6 +29,7 @@ from pipeline.actuator.api import (
     openapi_document,
     serve,
 )
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.requests import RescueActionRequest
 from pipeline.runtime.settings import TopicNames
@@ -549,8 +550,8 @@ async def test_without_a_token_file_the_api_serves_401_to_everyone(
     token_file.parent.mkdir(exist_ok=True)  # an absent optional Secret is still mounted, as an empty directory
     prefix = unique("notok") + "."
     topics = TopicNames(prefix=prefix)
-    for name in ("incidents", "remediation_requests", "remediation_audit", "deadletter"):
-        await create_topic(kafka_bootstrap, topics.name(name), partitions=1)
+    for name in actuator_topics(topics):
+        await create_topic(kafka_bootstrap, name, partitions=1)
     env = actuator_process_env(
         kafka_bootstrap, kubeconfig, prefix, cluster.namespace(unique("ns")), unique("g"),
         XIDFLOW_API_HOST="127.0.0.1", XIDFLOW_API_PORT=str(port), XIDFLOW_API_TOKEN_FILE=str(token_file),

@@ -29,6 +29,7 @@ from typing import Any
 import orjson
 import pytest
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
@@ -108,8 +109,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
     env = Env(kafka_bootstrap, kubeconfig, unique)
     app_id = unique("chaos")
     await ensure_topics(kafka_bootstrap, worker_topics(app_id, env.topics), PARTITIONS)
-    await ensure_topics(kafka_bootstrap, [env.topics.name(t) for t in ("remediation_audit", "remediation_requests")],
-                        PARTITIONS)
+    await ensure_topics(kafka_bootstrap, actuator_topics(env.topics), PARTITIONS)
     await ensure_ns(env.kube, env.namespace)
     work = unique("work")
     await ensure_ns(env.kube, work)

@@ -21,6 +21,7 @@ from aiokafka import TopicPartition
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import make_incident, publish, wait_until
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
@@ -126,8 +127,7 @@ async def test_a_stalled_groups_lag_grows_and_is_exported_without_any_batch(
 @pytest.fixture
 async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
     world = Env(kafka_bootstrap, kubeconfig, unique)
-    names_ = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-    await ensure_topics(kafka_bootstrap, [world.topics.name(n) for n in names_], partitions=2)
+    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=2)
     await ensure_ns(world.kube, world.namespace)
     yield world
     await world.close()

@@ -30,6 +30,7 @@ import orjson
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.sharedparts import AUDIT_ACTION, CONDITION_TYPE, REASON, parts_of
 from pipeline.actuator.testing import node_events, wait_until
@@ -106,8 +107,7 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
     env = Env(kafka_bootstrap, kubeconfig, unique)
     app_id = unique("parts")
     await ensure_topics(kafka_bootstrap, worker_topics(app_id, env.topics), PARTITIONS)
-    await ensure_topics(kafka_bootstrap, [env.topics.name(t) for t in ("remediation_audit", "remediation_requests")],
-                        PARTITIONS)
+    await ensure_topics(kafka_bootstrap, actuator_topics(env.topics), PARTITIONS)
     await ensure_ns(env.kube, env.namespace)
     work = unique("work")
     await ensure_ns(env.kube, work)

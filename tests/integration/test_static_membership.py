@@ -21,6 +21,7 @@ from pathlib import Path
 
 from aiokafka.errors import KafkaError
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.membership import GroupView, describe_group
 from pipeline.runtime.settings import TopicNames
@@ -119,8 +120,7 @@ def test_actuator_takes_its_partitions_back_as_the_same_static_member(
     kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str], tmp_path: Path
 ) -> None:
     topics = TopicNames(prefix=unique("t") + ".")
-    names = ["incidents", "remediation_requests", "remediation_audit", "deadletter"]
-    asyncio.run(ensure_topics(kafka_bootstrap, [topics.name(n) for n in names], 2))
+    asyncio.run(ensure_topics(kafka_bootstrap, actuator_topics(topics), 2))
     group = unique("ag")
     env = {
         **os.environ,

@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
@@ -68,8 +69,7 @@ async def test_children_sigkilled_mid_burst_are_replaced_and_nothing_is_lost_or_
     env = Env(kafka_bootstrap, kubeconfig, unique)
     app_id = unique("sup")
     await ensure_topics(kafka_bootstrap, worker_topics(app_id, env.topics), PARTITIONS)
-    await ensure_topics(kafka_bootstrap, [env.topics.name(t) for t in ("remediation_audit", "remediation_requests")],
-                        PARTITIONS)
+    await ensure_topics(kafka_bootstrap, actuator_topics(env.topics), PARTITIONS)
     await ensure_ns(env.kube, env.namespace)
     nodes = await env.make_nodes(NODES)
     reps = Replicas(env, kubeconfig, write_policy(tmp_path / "policy.yaml", "[{name: quarantine}]"))
