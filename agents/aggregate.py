@@ -53,6 +53,15 @@ def register(xapp: XidflowApp) -> None:
     settings = xapp.settings
     due = TickIndex(xapp.aggregation.quiet_period_s)
     table.on_restored = due.restored  # states recovered from the changelog: decoded once by the timer
+    events_name = xapp.fault_events.get_topic_name()
+
+    def assigned(tps: set[Any]) -> None:
+        # A node's partition is its fault-event partition (ticks and changelog share the numbers).
+        forgotten = due.assigned(tp.partition for tp in tps if tp.topic == events_name)
+        if forgotten:
+            log.info("tick index: forgot %d nodes of partitions no longer assigned here", forgotten)
+
+    table.on_assigned = assigned
 
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
@@ -87,7 +96,7 @@ def register(xapp: XidflowApp) -> None:
         due.settle(table.get)
         for key in due.due(time.time()):
             if table.get(key) is None:
-                due.note(key, None)
+                due.forget(key)
                 continue
             await xapp.ticks.send(key=key, value=b"tick", force=True)
 
@@ -119,7 +128,7 @@ async def _apply_batch(
         by_node.setdefault(key, []).append(event)
     now = time.time()
     new_states: list[tuple[bytes, bytes, int]] = []
-    written: list[tuple[bytes, NodeState]] = []
+    written: list[tuple[bytes, NodeState, int]] = []
     for key, node_events in by_node.items():
         stored: bytes | None = table.get(key)
         if stored is None:
@@ -144,8 +153,9 @@ async def _apply_batch(
                 deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
                 continue
             outputs += out
-        new_states.append((key, state.to_bytes(), node_events[-1].message.partition))
-        written.append((key, state))
+        partition = node_events[-1].message.partition
+        new_states.append((key, state.to_bytes(), partition))
+        written.append((key, state, partition))
         for record in outputs:
             # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
             # its "attachments") waits for the broker's acknowledgement of each record before it
@@ -164,8 +174,8 @@ async def _apply_batch(
         await asyncio.wait([previous])  # its failure is the consumer's to handle (``finishing``)
     durable = await table.write(new_states)
     if due is not None:
-        for key, state in written:
-            due.note(key, state)
+        for key, state, partition in written:
+            due.note(key, state, partition)
     return durable
 
 

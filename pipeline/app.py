@@ -94,15 +94,26 @@ class NodeStateTable(faust.Table):
 
     changelog_producer: ChangelogProducer | None = None
     """Where ``write`` sends the states (``declare_app`` sets it); without one, Faust's producer."""
-    on_restored: Callable[[list[bytes]], None] | None = None
-    """Told the keys of the states the table took from its changelog (recovery), not from ``write``."""
+    on_restored: Callable[[list[tuple[bytes, int]]], None] | None = None
+    """Told the (key, partition) of the states the table took from its changelog (recovery), not from ``write``."""
+    on_assigned: Callable[[set[Any]], None] | None = None
+    """Told every partition (Faust ``TP``) this process is assigned after each rebalance: the state of any
+    other partition left here is frozen (its new owner writes it), and must not be acted on."""
 
     def apply_changelog_batch(self, batch: Iterable[Any]) -> None:
         batch = list(batch)  # read twice: by the store, then for its keys
         super().apply_changelog_batch(batch)
         if self.on_restored is not None:
             # The keys are raw bytes (the table's raw codecs): what the store keeps them under, as they came.
-            self.on_restored([event.key for event in batch])
+            self.on_restored([(event.key, event.message.partition) for event in batch])
+
+    async def on_rebalance(
+        self, assigned: set[Any], revoked: set[Any], newly_assigned: set[Any], generation_id: int = 0
+    ) -> None:
+        # Faust's public hook, called with the whole new assignment before the restore of the new partitions.
+        await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
+        if self.on_assigned is not None:
+            self.on_assigned(set(assigned))
 
     async def write(self, states: list[tuple[bytes, bytes, int]]) -> asyncio.Future[Any]:
         """Write node states (key, value, changelog partition): sent to the changelog, taken by the store.

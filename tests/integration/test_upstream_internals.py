@@ -28,6 +28,7 @@ from contextlib import asynccontextmanager
 from importlib import metadata
 from typing import Any
 
+import faust
 import faust.transport.consumer as faust_consumer_base
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
@@ -82,6 +83,8 @@ METHODS: list[tuple[type, str, list[str], str, str]] = [
      "group_membership.describe_group sends DescribeGroups v4 with it"),
     (TableManager, "_update_channels", ["self"], ASYNC,
      "upstream.PromptTableManager.on_start subscribes the tables' channels with it"),
+    (faust.Table, "on_rebalance", ["self", "assigned", "revoked", "newly_assigned", "generation_id"], ASYNC,
+     "pipeline.app.NodeStateTable.on_rebalance tells the tick index which partitions the process owns"),
     (AIOKafkaClient, "force_metadata_update", ["self"], AWAITABLE,
      "loki_tail, commands/replay and actuator/testing refresh consumer._client's metadata"),
 ]
@@ -132,6 +135,15 @@ CALL_SITES: list[tuple[Callable[..., Any], str, Callable[..., Any]]] = [
 
 # Our subclasses of Faust's classes whose private overrides Faust must keep calling.
 OVERRIDING = (upstream.FaustConsumer, upstream._ConsumerThread)
+
+
+def test_faust_tells_each_table_of_a_rebalance_before_the_restore() -> None:
+    # A public hook, but the tick index relies on when Faust calls it: with the whole new assignment, before
+    # the recovery of the new partitions (whose keys the index then learns).
+    source = inspect.getsource(TableManager.on_rebalance)
+    assert "T(table.on_rebalance)" in source and source.index("T(table.on_rebalance)") < source.index(
+        "self.recovery.on_rebalance"), (
+        f"{FAUST} changed TableManager.on_rebalance: re-read pipeline.app.NodeStateTable.on_rebalance")
 
 
 def test_the_table_manager_start_we_replace_is_still_sleep_then_subscribe_then_recover() -> None:

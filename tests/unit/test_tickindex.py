@@ -67,14 +67,14 @@ def test_the_index_answers_from_the_states_written_and_decodes_restored_ones_onc
     transient, _ = run(agg, [fault(31, action=Action.RESTART_APP)], now=100.0)
     quarantined, _ = run(agg, [fault(79)], now=100.0)
     index = TickIndex(QUIET)
-    index.note(b"a", transient)
-    index.note(b"b", quarantined)
+    index.note(b"a", transient, 0)
+    index.note(b"b", quarantined, 0)
     assert index.due(100.0 + QUIET - 1) == [] and index.due(100.0 + QUIET) == [b"a"]
-    index.note(b"a", None)  # its state is gone
+    index.note(b"a", None, 0)  # its state is gone
     assert index.due(1e12) == []
 
     store = {b"c": transient.to_bytes(), b"d": quarantined.to_bytes()}
-    index.restored([b"c", b"d", b"gone"])
+    index.restored([(b"c", 1), (b"d", 1), (b"gone", 1)])
     decoded: list[bytes] = []
 
     def stored(key: bytes) -> bytes | None:
@@ -83,20 +83,55 @@ def test_the_index_answers_from_the_states_written_and_decodes_restored_ones_onc
 
     assert index.settle(stored) == 3 and index.due(1e12) == [b"c"]
     assert index.settle(stored) == 0 and sorted(decoded) == [b"c", b"d", b"gone"]  # once
-    index.restored([b"c"])
-    index.note(b"c", quarantined)  # written after the recovery: the write is the newer state
+    index.restored([(b"c", 1)])
+    index.note(b"c", quarantined, 1)  # written after the recovery: the write is the newer state
     assert index.settle(stored) == 0 and index.due(1e12) == []
 
 
-def test_the_table_reports_the_keys_it_recovers() -> None:
+def test_a_partition_moved_away_takes_its_nodes_out_of_the_index() -> None:
+    # A rebalance moves partition 1 away: its states stay in this process's table, frozen (the new owner
+    # writes them), and a tick asked for them here would be asked for again at every timer run.
+    agg = _agg()
+    transient, _ = run(agg, [fault(31, action=Action.RESTART_APP)], now=100.0)
+    index = TickIndex(QUIET)
+    index.note(b"kept", transient, 0)
+    index.note(b"moved", transient, 1)
+    index.restored([(b"moved-restored", 1), (b"kept-restored", 0)])
+    assert index.assigned({0, 2}) == 2
+    assert index.settle(lambda key: transient.to_bytes()) == 1
+    assert sorted(index.due(1e12)) == [b"kept", b"kept-restored"]
+    # A batch of partition 1 fetched before the rebalance and written after it is not learnt again, nor
+    # a restore of a partition that is not ours.
+    index.note(b"late", transient, 1)
+    index.restored([(b"standby", 1)])
+    assert index.settle(lambda key: transient.to_bytes()) == 0 and b"late" not in index.due(1e12)
+    # Assigned back (a later rebalance): learnt from its restore, as a new owner does.
+    index.assigned({0, 1, 2})
+    index.restored([(b"moved", 1)])
+    assert index.settle(lambda key: transient.to_bytes()) == 1
+    assert sorted(index.due(1e12)) == [b"kept", b"kept-restored", b"moved"]
+
+
+def test_the_table_reports_the_keys_it_recovers_and_the_partitions_it_is_assigned() -> None:
+    import asyncio
+
+    from faust.types import TP
+
     from agents.worker import create_app
 
     xapp = create_app("127.0.0.1:1")
-    seen: list[list[bytes]] = []
+    seen: list[list[tuple[bytes, int]]] = []
     xapp.node_state.on_restored = seen.append
 
-    def record(key: bytes, value: bytes | None) -> types.SimpleNamespace:
-        return types.SimpleNamespace(key=key, value=value, message=types.SimpleNamespace(value=value, partition=0))
+    def record(key: bytes, value: bytes | None, partition: int) -> types.SimpleNamespace:
+        return types.SimpleNamespace(key=key, value=value,
+                                     message=types.SimpleNamespace(value=value, partition=partition))
 
-    xapp.node_state.apply_changelog_batch(iter([record(b"a", b"{}"), record(b"b", None)]))
-    assert seen == [[b"a", b"b"]] and xapp.node_state.get(b"a") == b"{}"
+    xapp.node_state.apply_changelog_batch(iter([record(b"a", b"{}", 0), record(b"b", None, 3)]))
+    assert seen == [[(b"a", 0), (b"b", 3)]] and xapp.node_state.get(b"a") == b"{}"
+
+    told: list[set[TP]] = []
+    xapp.node_state.on_assigned = told.append
+    assigned = {TP("events", 0), TP("events", 2)}
+    asyncio.run(xapp.node_state.on_rebalance(assigned, {TP("events", 1)}, set(), 1))
+    assert told == [assigned]
