@@ -36,6 +36,7 @@ from pipeline.kafka import undecodable, undecodable_fetch, upstream
 from pipeline.kafka.membership import leave_on_close
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
+from pipeline.runtime.liveness import LIVENESS, Component
 from pipeline.runtime.settings import ConsumerGroupSettings
 from schemas.records import (
     ACTUATOR_INPUT,
@@ -181,6 +182,7 @@ class ActuatorConsumer:
         self.verifier = signing.Verifier.from_settings()
         self.refuse: Callable[[RescueActionRequest, str], Awaitable[None]] | None = None
         self.undecodable = undecodable.Undecodable()
+        self._live: Component | None = None
 
     async def start(self) -> None:
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
@@ -263,6 +265,7 @@ class ActuatorConsumer:
         if action is undecodable.Action.HOLD:
             consumer.pause(tp)  # nothing of it is dispatched, so nothing is committed past the batch
             self.undecodable.hold(failure)
+            self._readiness().fault(f"{tp.topic}[{tp.partition}]", text)
             self._held_gauges()
             return
         # SKIP: the dead letter first, durable; only then do the batch's offsets count as done (committed
@@ -278,8 +281,17 @@ class ActuatorConsumer:
 
     def release_held(self) -> None:
         """A new assignment resumes every partition (aiokafka forgets pauses): a held batch is met again."""
-        self.undecodable.release_all()
+        for failure in self.undecodable.release_all():
+            self._readiness().clear(f"{failure.topic}[{failure.partition}]")
         self._held_gauges()
+
+    def _readiness(self) -> Component:
+        """What a held partition makes of ``/healthz``, as in the worker: not ready (naming the partition and
+        the fix) while ``/livez`` stays green, since a restart cannot install a codec library and would stop the
+        partitions that still flow (``pipeline.runtime.liveness``). Registered at the first hold only."""
+        if self._live is None:
+            self._live = LIVENESS.component(f"actuator-consumer:{self.group_id}", stall_after_s=float("inf"))
+        return self._live
 
     def _held_gauges(self) -> None:
         held = collections.Counter(metrics.bounded(t, self.topics) for t, _ in self.undecodable.held)

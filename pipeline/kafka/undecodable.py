@@ -15,7 +15,8 @@ record iterator, ``PartitionRecords._unpack_records``, holds both); ``Undecodabl
 
 - **unsupported codec -> hold.** The data is fine; the fix is installing the library. The partition
   is read up to the batch and paused there: nothing of it is committed past, the other partitions
-  keep flowing, /healthz (readiness) is red, and the restarted worker (with the library) reads it from there.
+  keep flowing, /healthz (readiness) is red (in the worker and the actuator alike), and the restarted process
+  (with the library) reads it from there.
 - **anything else (corrupt) -> skip, with a dead-letter marker.** Such a batch can never be decoded,
   whoever reads it. After a second failure at the same offset (one re-fetch rules out a transient
   fault) a dead letter names the topic, partition, offset range and reason, and the partition goes on
@@ -67,8 +68,8 @@ class Failure:
         if self.reason is Reason.UNSUPPORTED_CODEC:
             todo = ("partition HELD at this offset (nothing committed past it; other partitions keep flowing; "
                     "/healthz is red): install the codec library the project declares (pip install "
-                    "'aiokafka[lz4,snappy,zstd]', i.e. cramjam) in the worker's image and restart it; "
-                    "it re-reads from here, nothing is lost")
+                    "'aiokafka[lz4,snappy,zstd]', i.e. cramjam) in this process's image (worker or actuator) and "
+                    "restart it; it re-reads from here, nothing is lost")
         elif action is Action.SKIP:
             todo = ("batch SKIPPED: a dead letter names these offsets; read them with another client "
                     "(kafka-dump-log) to see what was lost")

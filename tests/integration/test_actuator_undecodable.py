@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 
@@ -165,8 +167,21 @@ async def test_an_lz4_batch_without_its_codec_library_holds_its_partition_and_th
         assert not (await env.node(held))["spec"].get("unschedulable")
         got, _ = await committed(env.bootstrap, group, incidents)
         assert got.get(0, -1) <= 0, got  # nothing committed past the held batch
+        # As in the worker: the process's /healthz names the held partition and its fix; /livez stays green
+        # (a restart cannot install a library and would stop the partitions that flow).
+        status, body = _get(port, "/healthz")
+        assert status == 503 and f"{incidents}[0] offset 0" in body and "install the codec library" in body, body
+        assert _get(port, "/livez") == (200, "ok\n")
         assert proc.proc.poll() is None, proc.tail()
     finally:
         if proc is not None:
             proc.stop()
         await env.close()
+
+
+def _get(port: int, path: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+            return resp.status, resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
