@@ -117,9 +117,20 @@ def loki_tail(
     except LokiRequestRejected as exc:
         raise click.ClickException(str(exc)) from exc
     except KafkaError as exc:
-        raise click.ClickException(
-            f"cannot reach Kafka at {bridge.bootstrap_servers} (--bootstrap / KAFKA_BOOTSTRAP_SERVERS): {exc}"
-        ) from None
+        raise click.ClickException(kafka_failure(exc, bridge.bootstrap_servers, bridge.topic)) from None
+
+
+def kafka_failure(exc: BaseException, bootstrap: str, topic: str) -> str:
+    """The sentence for a Kafka error that stopped the bridge: "cannot reach" only when that is what it says."""
+    from pipeline.kafka import undecodable
+
+    what = f"{type(exc).__name__}: {exc}" if type(exc).__name__ not in str(exc) else str(exc)
+    if undecodable.unreachable(exc):
+        return f"cannot reach Kafka at {bootstrap} (--bootstrap / KAFKA_BOOTSTRAP_SERVERS): {what}"
+    if undecodable.unreadable(exc):
+        return (f"a record batch of {topic} could not be read (not a connection problem): {what}; "
+                "--resume-scan 0 starts without reading the topic back")
+    return f"Kafka at {bootstrap} refused or failed a request for {topic} (not a connection problem): {what}"
 
 
 async def loki_reachable(loki_url: str, timeout_s: float = 10.0) -> None:

@@ -42,6 +42,7 @@ import orjson
 from websockets.exceptions import InvalidStatus
 
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka import undecodable as undecodable_mod
 from pipeline.kafka import undecodable_fetch, upstream
 from pipeline.kafka.undecodable import Failure, Undecodable
 from pipeline.runtime import metrics
@@ -64,6 +65,10 @@ RESUME_HEADER = "xidflow-loki-tail"
 DEFAULT_RESUME_SCAN = 10_000
 RESUME_APPROACH_RECORDS = 500
 """Records per fetch while the resume scan reads a partition up to a batch it cannot decode."""
+RESUME_STALL_S = 20.0
+"""How long the resume scan waits for a partition's position to move before it stops reading it: a broker
+that cannot serve a partition past a batch (its length field broken on disk) answers with no records and
+no error, so the scan (and the start) waited for ever."""
 
 
 @dataclass(frozen=True)
@@ -308,6 +313,7 @@ class LokiTailBridge:
         backoff: Backoff | None = None,
         auth: LokiAuth | None = None,
         resume_scan: int = DEFAULT_RESUME_SCAN,
+        resume_stall_s: float = RESUME_STALL_S,
     ) -> None:
         tail_url(loki_url, query)  # validate early: a bad URL is a usage error, not a reconnect loop
         self.loki_url = loki_url
@@ -326,6 +332,7 @@ class LokiTailBridge:
         self.cursor = TailCursor()
         self.stats = BridgeStats()
         self.resume_scan = resume_scan
+        self.resume_stall_s = resume_stall_s
         org_id = self.auth.org_id or self.headers.get("X-Scope-OrgID")
         self.identity = tail_identity(query, org_id)
         self._record_headers = [(RESUME_HEADER, self.identity.encode())]
@@ -371,20 +378,38 @@ class LokiTailBridge:
                                 self.cursor.mark(entry)
                                 found += 1
 
+            # Where each partition's position last moved: a broker that cannot serve a partition past a
+            # batch (its length field is broken) answers with no records, and no error, for ever.
+            moved = {tp: (await consumer.position(tp), time.monotonic()) for tp in pending}
             while pending:
                 try:
                     batch = await consumer.getmany(*pending, timeout_ms=1000)
                 except Exception as exc:
                     failure = upstream.locate_undecodable(exc)
                     if failure is None:
+                        if undecodable_mod.unreadable(exc):
+                            # A batch nobody can place (no partition, no offset): give up the rest of the scan.
+                            await self._give_up(consumer, pending, ends, exc)
+                            break
                         raise
                     # Other partitions' records taken before the failure: their positions moved past them.
                     await take(upstream.drained_before(exc))
                     await self._skip_undecodable(consumer, undecodable, failure, take)
                     continue
                 await take(batch)
+                now = time.monotonic()
                 for tp in list(pending):
-                    if await consumer.position(tp) >= ends[tp]:
+                    position = await consumer.position(tp)
+                    if position >= ends[tp]:
+                        pending.discard(tp)
+                    elif position != moved[tp][0]:
+                        moved[tp] = (position, now)
+                    elif now - moved[tp][1] >= self.resume_stall_s:
+                        log.warning(
+                            "loki-tail resume scan: %s[%d] returned no record at offset %d for %.0fs though it ends at "
+                            "%d (the broker cannot serve what follows: a record batch with a broken header?); the "
+                            "cursor is taken from the records before it (Loki replays the rest, nothing is missed)",
+                            tp.topic, tp.partition, position, now - moved[tp][1], ends[tp])
                         pending.discard(tp)
         finally:
             await consumer.stop()
@@ -392,6 +417,14 @@ class LokiTailBridge:
             log.info("resuming tail %s after %d records of ours, from start=%s", self.identity, found,
                      self.cursor.last_ts_ns)
         return found
+
+    @staticmethod
+    async def _give_up(consumer: Any, pending: set[Any], ends: dict[Any, int], exc: BaseException) -> None:
+        where = ", ".join(f"{tp.topic}[{tp.partition}] at offset {await consumer.position(tp)} of {ends[tp]}"
+                          for tp in sorted(pending))
+        log.warning("loki-tail resume scan: a record batch could not be read (%s: %s) while scanning %s; the "
+                    "cursor is taken from the records read so far (Loki replays the rest, nothing is missed)",
+                    type(exc).__name__, exc, where)
 
     async def _skip_undecodable(
         self,

@@ -30,6 +30,32 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from aiokafka.errors import (
+    CorruptRecordException,
+    KafkaConnectionError,
+    KafkaTimeoutError,
+    NodeNotReadyError,
+    RecordTooLargeError,
+    RequestTimedOutError,
+    UnsupportedCodecError,
+)
+
+UNREACHABLE = (KafkaConnectionError, NodeNotReadyError, KafkaTimeoutError, RequestTimedOutError, ConnectionError,
+               TimeoutError)
+"""Errors that mean the broker could not be reached or did not answer in time."""
+UNREADABLE = (CorruptRecordException, UnsupportedCodecError, RecordTooLargeError)
+"""Errors that mean a fetched record batch could not be read (``locate`` may still fail to place one)."""
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the broker could not be reached (and nothing else: not a batch, not an ACL)."""
+    return isinstance(exc, UNREACHABLE)
+
+
+def unreadable(exc: BaseException) -> bool:
+    """Whether ``exc`` says a record batch could not be read."""
+    return isinstance(exc, UNREADABLE)
+
 
 class Reason(enum.StrEnum):
     """Why a batch could not be decoded: a closed set (metric label values)."""

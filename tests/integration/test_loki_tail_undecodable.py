@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 import subprocess
 import sys
 import time
@@ -77,6 +78,72 @@ async def write_with_a_corrupt_batch(cluster: Any, identity: str) -> Written:
         await producer.stop()
     _corrupt_on_disk(Path(cluster.root), topic, bad_partition, f"BAD-{tag}".encode())
     return Written(topic, dead, bad_partition, newest, twin)
+
+
+def _break_batch_length(root: Path, topic: str, partition: int, needle: bytes) -> int:
+    """Make the length field of the batch holding ``needle`` point past its end (into the next batch), on the
+    broker's disk; returns the batch's base offset. The broker then serves nothing of the partition from that
+    batch on (no records, no error): no client can place that failure."""
+    (segment,) = list(root.glob(f"**/data/{topic}-{partition}/*.log"))
+    data = bytearray(segment.read_bytes())
+    at, pos = data.find(needle), 0
+    while True:  # record batches: base offset (8 bytes), length (4), then length bytes
+        length = struct.unpack_from(">i", data, pos + 8)[0]
+        if pos + 12 + length > at:
+            break
+        pos += 12 + length
+    struct.pack_into(">i", data, pos + 8, length + 30)
+    segment.write_bytes(bytes(data))
+    return struct.unpack_from(">q", data, pos)[0]
+
+
+async def test_resume_scan_stops_reading_a_partition_the_broker_cannot_serve_and_finds_the_cursor(
+    private_kafka, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A batch whose length field is broken: the broker answers that partition's fetches with no records and no
+    error. The scan waited for its position to move for ever, so ``xidflow loki-tail`` never started tailing
+    (and said nothing). It must give that partition up, say where, and take the cursor from the rest."""
+    cluster = private_kafka(1)
+    identity = tail_identity(QUERY, None)
+    tag = uuid.uuid4().hex[:6]
+    topic = f"lt-len-{tag}-logs"
+    await ensure_topics(cluster.bootstrap, [topic], PARTITIONS)
+    headers = [(RESUME_HEADER, identity.encode())]
+    base = time.time_ns() - 60 * 10**9
+    bad_partition = 1
+    producer = kafka_clients.producer(bootstrap=cluster.bootstrap, acks="all")
+    await producer.start()
+    newest_good = None
+    try:
+        for i in range(PER_PARTITION):  # one batch per record
+            for p in range(PARTITIONS):
+                # The bad partition's entries after its first one are the newest of all: unreadable, so the
+                # cursor must come from the newest of the others.
+                ts = base + (10**9 + i if p == bad_partition and i >= 1 else i * PARTITIONS + p)
+                entry = TailEntry(ts, {"job": "gpu-kmsg", "node": f"n-{tag}-{p}"}, f"L{tag}-p{p}-i{i}")
+                if p != bad_partition and (newest_good is None or ts > newest_good.ts_ns):
+                    newest_good = entry
+                await producer.send_and_wait(topic, encode_entry(entry), partition=p, headers=headers)
+    finally:
+        await producer.stop()
+    offset = _break_batch_length(Path(cluster.root), topic, bad_partition, f"L{tag}-p{bad_partition}-i1".encode())
+    bridge = LokiTailBridge(loki_url="http://127.0.0.1:9", query=QUERY, topic=topic,
+                            bootstrap_servers=cluster.bootstrap, deadletter_topic=f"{topic}-dead", resume_scan=100,
+                            resume_stall_s=3)
+
+    with caplog.at_level(logging.WARNING, logger="pipeline.ingest.loki_tail"):
+        # Bounded only so that the old behaviour fails instead of hanging the suite.
+        found = await asyncio.wait_for(bridge.resume_from_kafka(), 120)
+
+    assert found == (PARTITIONS - 1) * PER_PARTITION + 1  # every record but the bad partition's from the batch on
+    assert newest_good is not None and bridge.cursor.last_ts_ns == newest_good.ts_ns
+    # aiokafka reads the broken batch with the length it claims, fails its CRC and the scan skips it; the
+    # broker serves nothing from the next offset on (it cannot find that offset's batch any more).
+    messages = [r.getMessage() for r in caplog.records]
+    assert [m for m in messages if f"undecodable record batch at {topic}[{bad_partition}] offset {offset}" in m]
+    stalled = [m for m in messages if "returned no record" in m]
+    assert len(stalled) == 1 and f"{topic}[{bad_partition}] returned no record at offset {offset + 1}" in stalled[0], (
+        stalled)
 
 
 async def test_resume_scan_skips_an_undecodable_batch_and_finds_the_cursor(

@@ -132,3 +132,29 @@ def test_identity_ignores_labels_loki_derives_only_in_query_results() -> None:
     cursor = TailCursor()
     cursor.mark(live)
     assert not cursor.is_new(replayed)
+
+
+def test_the_command_says_cannot_reach_kafka_only_when_that_is_what_happened() -> None:
+    # Every Kafka error that stopped the bridge used to read "cannot reach Kafka", an unreadable batch or an
+    # ACL refusal included: the operator then looked at the network instead of the topic.
+    from aiokafka.errors import (
+        CorruptRecordException,
+        KafkaConnectionError,
+        RecordTooLargeError,
+        TopicAuthorizationFailedError,
+        UnsupportedCodecError,
+    )
+
+    from pipeline.commands.loki_tail import kafka_failure
+
+    def say(exc: Exception) -> str:
+        return kafka_failure(exc, "k:9092", "gpu.logs.kernel")
+
+    assert say(KafkaConnectionError("Unable to bootstrap")).startswith("cannot reach Kafka at k:9092")
+    for unreadable in (CorruptRecordException("Invalid CRC"), UnsupportedCodecError("Libraries for lz4 not found"),
+                       RecordTooLargeError("There are some messages at [Partition=Offset]")):
+        text = say(unreadable)
+        assert "cannot reach" not in text and "a record batch of gpu.logs.kernel could not be read" in text, text
+        assert type(unreadable).__name__ in text
+    refused = say(TopicAuthorizationFailedError("gpu.logs.kernel"))
+    assert "cannot reach" not in refused and "TopicAuthorizationFailedError" in refused, refused
