@@ -284,10 +284,18 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
     whose CPU time was 1.2-1.6 us (it waits on a broker that shares the two cores with load 8-28),
     so the same code spreads over 0.3 of ``ratio`` from run to run. What is left to 0.8 of
     CPU is the stage's one pass over the records' values, which the raw consumer never touches (the
-    first three items above, 0.15-0.2 us), and the candidates' decoding. The one larger lever is
+    first three items above, 0.15-0.2 us), and the candidates' decoding. The one larger lever was
     aiokafka's per-record ``ConsumerRecord``: no documented seam skips it (a ``value_deserializer``
-    is one more call per record; there is no batch API), and reading the fetcher's record batches
-    (private ``Fetcher._records``) would tie the stage to aiokafka's internals, so it is not done.
+    is one more call per record; there is no batch API). The stage now takes aiokafka's decoded
+    records as they come out of its batches (``upstream.deliver_bare_records``, parse5; the pinned
+    internals are checked by tests/unit/test_upstream_internals.py), so it no longer pays what the raw
+    consumer still pays: eight interleaved pairs, main vs parse5 (load 4-41, 2026-11-27), medians of
+    ``ratio`` 0.80 -> 1.02, ``ratio_median`` 0.80 -> 1.03, ``ratio_cpu`` 0.85 -> 1.08,
+    ``ratio_cpu_median`` 0.83 -> 1.09 (parse5's lowest ``ratio_cpu_median`` 0.93), the raw consumer at
+    a median 282k (main's runs) and 277k (parse5's) records per CPU second. The bench process keeps
+    CPython's GC thresholds for both sides, not the worker's ``pipeline.runtime.gcpolicy``.
+    Without a broker (20,000 records, thread CPU, GC off) a record costs the raw consumer 1.97 us and
+    the stage 1.37 us (2.61 us with ConsumerRecords), of which 0.92 us is aiokafka's fetch and decode.
     GC tuning (``gc.freeze()`` after start, a larger first threshold) would cut 0.3-0.5 us from both
     sides; it is the worker process's policy, not the stage's.
 

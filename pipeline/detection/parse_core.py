@@ -81,6 +81,31 @@ class RawRecord(Protocol):
     timestamp: int
 
 
+class BareRecord(Protocol):
+    """A record fetched without its topic and partition (the parse stage's fetch: ``upstream.deliver_bare_records``)."""
+
+    offset: int
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes | None]]
+    timestamp: int
+
+
+class Located:
+    """A bare record with the topic and partition it was fetched from: what ``ParseCore`` needs of a candidate."""
+
+    __slots__ = ("topic", "partition", "offset", "key", "value", "headers", "timestamp")
+
+    def __init__(self, topic: str, partition: int, rec: BareRecord) -> None:
+        self.topic = topic
+        self.partition = partition
+        self.offset = rec.offset
+        self.key = rec.key
+        self.value = rec.value
+        self.headers = rec.headers
+        self.timestamp = rec.timestamp
+
+
 @dataclass
 class BatchResult:
     """What one batch of raw records turned into."""
@@ -298,14 +323,27 @@ class ParseCore:
         self._seen += n
         return sorted(marked)
 
-    def process(self, records: Sequence[RawRecord], now: float | None = None, topic: str | None = None) -> BatchResult:
+    def process(
+        self,
+        records: Sequence[RawRecord] | Sequence[BareRecord],
+        now: float | None = None,
+        topic: str | None = None,
+        partition: int | None = None,
+    ) -> BatchResult:
         """Turn one batch of records into events and dead letters.
 
         ``topic``: all records come from this topic (a getmany partition batch), which saves a
-        per-record look at the topic; without it the batch may mix topics.
+        per-record look at the topic; without it the batch may mix topics. ``partition`` (with
+        ``topic``): the records are ``BareRecord``\\s of this partition, and only those that are decoded
+        are given their topic and partition (``Located``).
         """
         result = BatchResult(records=len(records))
         now = time.monotonic() if now is None else now
+        if partition is not None:
+            if topic is None:
+                raise ValueError("process: a partition without its topic")
+            self._process_bare(records, topic, partition, result, now)  # type: ignore[arg-type]
+            return result
         if topic is None:
             health = [r for r in records if r.topic == self.health_topic]
             logs = [r for r in records if r.topic != self.health_topic] if health else records
@@ -322,6 +360,20 @@ class ParseCore:
             self._guarded(logs[index], result, now, self._decode_and_detect)
         result.events += self.flush_stale(now)
         return result
+
+    def _process_bare(
+        self, records: Sequence[BareRecord], topic: str, partition: int, result: BatchResult, now: float
+    ) -> None:
+        if topic == self.health_topic:
+            for rec in records:
+                self._guarded(Located(topic, partition, rec), result, now, self._health)
+        else:
+            wanted = self.candidates(list(map(_VALUE, records)))
+            result.noise = len(records) - len(wanted)
+            result.decoded += len(wanted)
+            for index in wanted:
+                self._guarded(Located(topic, partition, records[index]), result, now, self._decode_and_detect)
+        result.events += self.flush_stale(now)
 
     def _guarded(
         self, rec: RawRecord, result: BatchResult, now: float, handler: Callable[[RawRecord, BatchResult, float], None]

@@ -3,7 +3,10 @@
 Why a batch consumer and not a Faust agent: Faust's per-event machinery (one Event object, one ack,
 several awaits per record) caps an agent at a few thousand records/s here, a few % of what the
 Kafka client reads. This stage runs inside the Faust worker as a service but talks to Kafka through
-aiokafka's batch API (``getmany``) and does per record only what it must:
+aiokafka's batch API (``getmany``) and does per record only what it must. Its consumer hands out the
+records as aiokafka decoded them from their batches, without the ``ConsumerRecord`` it builds for each
+(``pipeline.kafka.upstream.deliver_bare_records``; the stage reads every record's value, the rest only
+of the few it decodes):
 
 1. ``pipeline.detection.parse_core.ParseCore`` (pure, no I/O) looks at the raw bytes of the whole batch first:
    a payload that contains none of the prefilter's markers cannot carry a line that passes
@@ -141,6 +144,9 @@ class ParseStage:
         self.release_held()  # a new consumer: nothing is paused
         try:
             await consumer.start()
+            # Records as aiokafka decoded them, without the ConsumerRecord it builds for each: the stage
+            # reads every record's value, the rest only of the few it decodes (ParseCore.process).
+            upstream.deliver_bare_records(consumer)
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
             try:
                 while not self._stopping.is_set():
@@ -180,7 +186,7 @@ class ParseStage:
         self,
         consumer: AIOKafkaConsumer,
         producer: AIOKafkaProducer,
-        batches: dict[TopicPartition, list[Any]],
+        batches: dict[TopicPartition, list[upstream.BareRecord]],
     ) -> None:
         now = time.monotonic()
         if not batches:
@@ -206,7 +212,7 @@ class ParseStage:
         result = BatchResult()
         ends: dict[TopicPartition, int] = {}
         for tp, records in batches.items():
-            part = self.core.process(records, now, topic=tp.topic)
+            part = self.core.process(records, now, topic=tp.topic, partition=tp.partition)
             self.live.beat()  # a long batch is work, not a stall
             result.events += part.events
             result.dead_letters += part.dead_letters

@@ -26,7 +26,10 @@ What is used, by whom:
   ``aiokafka.protocol`` and ``aiokafka.coordinator.protocol`` (DescribeGroups v4, which aiokafka's
   admin does not offer); the frame of ``PartitionRecords._unpack_records`` (where a batch that
   cannot be decoded is) and of ``Fetcher.fetched_records`` (the records ``getmany`` had already taken
-  out of the fetcher, positions advanced, when that batch raised).
+  out of the fetcher, positions advanced, when that batch raised); the consumer's ``_fetcher``, its
+  buffer ``Fetcher._records``, ``FetchResult._partition_records`` and ``PartitionRecords._consumer_record``
+  (``deliver_bare_records``: the parse stage reads aiokafka's decoded records without a
+  ``ConsumerRecord`` built per record).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
 - Faust's ``Stream``: ``_active_agens``, ``_enable_passive`` and ``_processors`` (a batch generator
   that keeps filling while the agent works).
@@ -34,11 +37,12 @@ What is used, by whom:
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Callable
+import collections
+from collections.abc import AsyncGenerator, Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
-from aiokafka.consumer.fetcher import Fetcher
+from aiokafka.consumer.fetcher import Fetcher, FetchResult
 from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import UnsupportedCodecError
 from aiokafka.protocol.api import Request, RequestStruct, Response
@@ -324,3 +328,65 @@ def drained_before(exc: BaseException) -> dict[Any, list[Any]]:
             return {tp: list(records) for tp, records in drained.items() if records} if drained else {}
         tb = tb.tb_next
     return {}
+
+
+# -- records without a ConsumerRecord each -------------------------------------------------------
+
+
+class BareRecord(Protocol):
+    """A record as aiokafka decoded it from its batch (``DefaultRecord``, ``LegacyRecord``): no topic, no partition.
+
+    ``getmany`` keys each list of them by its ``TopicPartition``; the offset is the record's own.
+    """
+
+    offset: int
+    timestamp: int
+    key: bytes | None
+    value: bytes | None
+    headers: Sequence[tuple[str, bytes | None]]
+
+
+# ``PartitionRecords._unpack_records`` turns each decoded record into a ConsumerRecord by calling
+# ``self._consumer_record(tp, record)``: an empty dict's ``get`` answers ``record`` for any ``tp`` and is a
+# C call, where a Python ``lambda tp, record: record`` costs a frame per record (the very cost saved).
+_AS_IS: Callable[[Any, Any], Any] = {}.get
+_CONSUMER_RECORD = "_consumer_record"  # aiokafka.consumer.fetcher.PartitionRecords._consumer_record
+
+
+class _BareFetchBuffer(collections.OrderedDict):  # type: ignore[type-arg]
+    """``Fetcher._records`` (tp -> FetchResult or FetchError): each fetched partition stored in it hands out
+    its records as decoded, not as ConsumerRecords.
+
+    The fetcher stores a partition's fetch here (``_proc_fetch_request``) before anything drains it, so
+    every record ``getmany`` returns went through the change; everything else (which batches are read,
+    control batches and aborted transactions skipped, CRC checks, positions, errors) stays aiokafka's.
+    """
+
+    def __setitem__(self, tp: Any, result: Any) -> None:
+        if type(result) is FetchResult:
+            records = result._partition_records
+            if records is not None:
+                setattr(records, _CONSUMER_RECORD, _AS_IS)
+        super().__setitem__(tp, result)
+
+
+def deliver_bare_records(consumer: Any) -> None:
+    """Make a started consumer's ``getmany`` hand out ``BareRecord``\\s instead of ``ConsumerRecord``\\s.
+
+    aiokafka builds a ``ConsumerRecord`` (a Python dataclass of 11 fields, a tuple of the headers, two
+    ``len``) for every record it hands out; the parse stage looks at the value of every record and at
+    the rest only for the few it decodes. The
+    consumer must have no key or value deserializer (they are applied in the step skipped). Call it
+    after ``start()`` (the fetcher exists from then on) and before records are fetched.
+    """
+    fetcher = consumer._fetcher
+    if fetcher is None:
+        raise RuntimeError("deliver_bare_records: the consumer is not started")
+    if fetcher._key_deserializer is not None or fetcher._value_deserializer is not None:
+        raise ValueError("deliver_bare_records: a consumer with deserializers needs its ConsumerRecords")
+    if type(fetcher._records) is _BareFetchBuffer:
+        return
+    buffer = _BareFetchBuffer()
+    for tp, result in fetcher._records.items():
+        buffer[tp] = result
+    fetcher._records = buffer

@@ -36,6 +36,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.fetcher import Fetcher, FetchResult, PartitionRecords
 from aiokafka.record.default_records import DefaultRecordBatch
+from aiokafka.structs import ConsumerRecord
 from faust.streams import Stream
 from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
@@ -478,3 +479,55 @@ async def test_a_static_member_leaves_only_when_its_group_instance_id_is_cleared
     assert await _members(kafka_bootstrap, left) == [], (
         f"{AIOKAFKA}: clearing the coordinator's _group_instance_id no longer makes close() send LeaveGroup "
         "(group_membership.leave_on_close; an orderly worker stop keeps its partitions until the session expires)")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The parse stage's bare records (upstream.deliver_bare_records) against the real broker.
+
+
+async def _read_all(bootstrap: str, tp: TopicPartition, group: str, bare: bool, isolation: str) -> tuple[list, int]:
+    async with _started(bootstrap, group, isolation_level=isolation, auto_offset_reset="earliest") as consumer:
+        if bare:
+            upstream.deliver_bare_records(consumer)
+        consumer.assign([tp])
+        end = (await consumer.end_offsets([tp]))[tp]
+        got: list[Any] = []
+        while await consumer.position(tp) < end:
+            got += (await consumer.getmany(tp, timeout_ms=500, max_records=3)).get(tp, [])
+        return got, await consumer.position(tp)
+
+
+@pytest.mark.parametrize("isolation", ["read_uncommitted", "read_committed"])
+async def test_bare_records_from_the_broker_are_a_plain_consumers_records_without_the_record_object(
+    kafka_bootstrap: str, unique: Callable[[str], str], isolation: str
+) -> None:
+    # Compressed batches with headers, an aborted and a committed transaction (their markers are control
+    # records): the stage's consumer must see what a plain one sees, and stop at the same position.
+    tp = await _topic(kafka_bootstrap, unique("bare"))
+    plain = kafka_clients.producer(kafka_bootstrap, compression_type="gzip", linger_ms=5)
+    txn = kafka_clients.producer(kafka_bootstrap, transactional_id=unique("txn"))
+    await plain.start()
+    await txn.start()
+    try:
+        sent = [await plain.send(tp.topic, b"plain %d" % i, key=b"node", partition=0,
+                                 headers=[("xidflow-node", b"n1")]) for i in range(5)]
+        await asyncio.gather(*sent)
+        for outcome in ("aborted", "committed"):
+            await txn.begin_transaction()
+            for i in range(2):
+                await txn.send_and_wait(tp.topic, f"{outcome} {i}".encode(), partition=0)
+            await (txn.abort_transaction() if outcome == "aborted" else txn.commit_transaction())
+        await plain.send_and_wait(tp.topic, b"after", partition=0)
+    finally:
+        await txn.stop()
+        await plain.stop()
+    full, full_end = await _read_all(kafka_bootstrap, tp, unique("g"), bare=False, isolation=isolation)
+    bare, bare_end = await _read_all(kafka_bootstrap, tp, unique("g"), bare=True, isolation=isolation)
+    facts = [(r.offset, r.timestamp, r.key, r.value, list(r.headers)) for r in full]
+    assert [(r.offset, r.timestamp, r.key, r.value, list(r.headers)) for r in bare] == facts
+    assert not [r for r in bare if isinstance(r, ConsumerRecord)], (
+        f"{AIOKAFKA}: the consumer still hands out ConsumerRecords after upstream.deliver_bare_records")
+    assert bare_end == full_end
+    values = [r.value for r in bare]
+    assert (b"aborted 0" in values) is (isolation == "read_uncommitted") and b"committed 1" in values
+    assert values[-1] == b"after" and len(values) == (10 if isolation == "read_uncommitted" else 8)

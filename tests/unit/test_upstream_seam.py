@@ -22,6 +22,8 @@ UPSTREAM_PRIVATE = frozenset({
     # aiokafka's consumer, coordinator, admin client and record iterator
     "_fetch_max_wait_ms", "_subscription", "_client", "_coordinator", "_group_instance_id", "_send_request",
     "_unpack_records",
+    # aiokafka's fetcher, its buffer and record iterator (the parse stage's bare records)
+    "_fetcher", "_records", "_partition_records", "_consumer_record", "_key_deserializer", "_value_deserializer",
 })
 PRIVATE_MODULES = ("aiokafka.protocol", "aiokafka.coordinator", "aiokafka.consumer.fetcher", "faust.transport")
 
