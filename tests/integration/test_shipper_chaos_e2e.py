@@ -163,18 +163,22 @@ async def _raw_holds(bootstrap: str, topic: str, needles: list[bytes]) -> set[by
 class LokiTail:
     """``xidflow loki-tail`` as a process (Konduktor's path: Loki to the raw kernel topic)."""
 
-    def __init__(self, url: str, run: str, topic: str, bootstrap: str, log: Path) -> None:
+    def __init__(self, url: str, run: str, topic: str, bootstrap: str, log: Path, start_ns: int) -> None:
         self.log = log
         out = log.open("ab")
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "pipeline.cli", "loki-tail", "--loki-url", url, "--query",
              f'{{job="kmsg", run="{run}"}}', "--topic", topic, "--bootstrap", bootstrap, "--org-id", DEFAULT_TENANT,
-             "--start-ns", str(time.time_ns() - 10**9)],
+             "--start-ns", str(start_ns)],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         out.close()
 
     def alive(self) -> None:
         assert self.proc.poll() is None, f"loki-tail exited:\n{self.log.read_text(errors='replace')[-3000:]}"
+
+    def kill(self) -> None:
+        self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait(10)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -254,7 +258,13 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
         for s in shippers.values():
             await asyncio.to_thread(s.fluent_bit.start, 60.0)
         rsyslogd.start()
-        bridge = LokiTail(loki.url, run, topics.name("logs_kernel"), kafka_bootstrap, tmp_path / "loki-tail.log")
+        loki_start = time.time_ns() - 10**9
+
+        def start_bridge() -> LokiTail:  # the same arguments each time, as a restarted container
+            return LokiTail(loki.url, run, topics.name("logs_kernel"), kafka_bootstrap, tmp_path / "loki-tail.log",
+                            loki_start)
+
+        bridge = start_bridge()
         for codec in ("gzip", "snappy", "lz4", "zstd"):
             producers[codec] = AIOKafkaProducer(bootstrap_servers=kafka_bootstrap, acks="all", compression_type=codec)
             await producers[codec].start()
@@ -323,6 +333,12 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
                 return await _raw_holds(kafka_bootstrap, topics.name("logs_kernel"), dead_lines) == set(dead_lines)
 
             await wait_until(arrived, 120, poll=0.5, what="the lines sent while the worker was dead, on the topic")
+            # The shippers are SIGKILLed too and come back: whatever they send again must change nothing.
+            for role in ("fb-xid79-dead", "fb-benign"):
+                shippers[role].fluent_bit.kill()
+                await asyncio.to_thread(shippers[role].fluent_bit.start, 60.0)
+            bridge.kill()
+            bridge = start_bridge()
             worker = start_worker()
 
             # 3. The killed actuator rejoins mid-burst; the other dies during a drain and comes straight back.
