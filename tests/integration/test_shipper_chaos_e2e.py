@@ -109,10 +109,9 @@ def _cri(line: str) -> str:
 
 
 def _child_of(pid: int) -> int:
-    """The working child the ``xidflow worker`` supervisor forked."""
+    """The working child the ``xidflow worker`` supervisor forked (the process itself when it runs unsupervised)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    assert children, f"the worker supervisor {pid} has no child"
-    return int(children[0])
+    return int(children[0]) if children else pid
 
 
 async def _group_lag(bootstrap: str, group: str, topics: list[str]) -> int:
