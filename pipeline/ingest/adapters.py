@@ -103,10 +103,14 @@ def _from_text(ctx: RecordContext, value: bytes) -> tuple[list[LogRecord], list[
     decoded = value.decode("utf-8", "replace")
     cri = shippers.cri_lines(decoded)
     if cri is not None:  # a container log file's lines, sent raw: the node comes from the key or a header
-        if ctx.fallback_node() is None:
+        node = ctx.fallback_node()
+        if node is None:
             reason = "CRI log line without node: set the Kafka key or a 'node' header"
             return [], [ctx.dead(reason, value, DeadLetterCode.NO_NODE)]
-        return _from_shipped(ctx, cri, value)
+        # The CRI format is the container runtime's: its text is a workload's on whatever topic it came, and a
+        # workload's text never speaks for the kernel (a pod that prints dmesg output must not quarantine).
+        return [ctx.make(node, Source.POD, item.ts or ctx.fallback_time(), item.line, item.shipper)
+                for item in cri], []
     syslog = shippers.syslog_lines(decoded, ctx.fallback_time())
     if syslog is not None:  # rsyslog & co: host and time in each line's syslog header
         return _from_shipped(ctx, syslog, value)

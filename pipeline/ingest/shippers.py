@@ -22,7 +22,8 @@ timestamps, node fallbacks and dead letters). Shapes, from each shipper's docume
   omkafka sends no key by default, so the host in the header is the node.
 - **CRI container log lines sent raw** (rsyslog imfile or Vector's file source on ``/var/log/containers``):
   ``<RFC 3339 nano> <stdout|stderr> <F|P> <text>``, the kubelet's runtime's own format; ``P`` (partial)
-  lines are joined up to the next ``F``. The line names no node: the Kafka key or header does.
+  lines are joined up to the next ``F``. The line names no node: the Kafka key or header does; it is a pod
+  line whatever topic it came on (a workload's output, never the kernel's).
 
 Replays: ``kmsg_replay_key`` names a kernel ring-buffer line by what a replay repeats exactly (boot
 id, sequence number, time since boot), not by its wall-clock time, which Fluent Bit's kmsg input

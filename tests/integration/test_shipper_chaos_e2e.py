@@ -217,7 +217,7 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
         "probe": (QUARANTINE, False, False),        # HealthCheckResult gpu_count failed, worker dead
         "zstd-kmsg": (QUARANTINE, False, False),    # producer zstd, worker dead: Fluent Bit kmsg JSON, Xid 119
         "lz4-app": (WARN_ONLY, False, False),       # producer lz4, worker dead: Xid 13 (RESTART_APP)
-        "cri-benign": (NOTHING, False, False),      # producer, worker dead: raw CRI lines of NCCL timeouts
+        "cri-benign": (NOTHING, False, False),      # producer, worker dead: raw CRI lines (NCCL, a printed Xid)
     }
     names = {role: f"{role}-{run}" for role in plan}
     await create_nodes(env.kube, names.values(), env.fleet_label, boot_id=BOOT_ID)
@@ -324,6 +324,10 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
             for line in (NCCL_TIMEOUT, NCCL_SYSTEM):
                 await producers["gzip"].send_and_wait(topics.name("logs_pods"), _cri(line).encode(),
                                                       key=names["cri-benign"].encode())
+            # A pod that prints dmesg output, its container log shipped raw onto the kernel topic: the workload's
+            # text, not the kernel's.
+            await producers["gzip"].send_and_wait(topics.name("logs_kernel"), _cri(XID79).encode(),
+                                                  key=names["cri-benign"].encode())
             # Proven on the raw topics before the worker comes back.
             dead_lines = [names[r].encode() for r in ("fb-xid79-dead", "rsyslog", "loki")]
 

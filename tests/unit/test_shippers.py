@@ -198,6 +198,14 @@ def test_raw_cri_line_keeps_the_node_from_the_key_not_the_stream_name() -> None:
     assert [e.node for e in events] == ["gpu-node-13"]
 
 
+def test_raw_cri_line_on_the_kernel_topic_is_still_a_pod_line() -> None:
+    """A pod that prints dmesg output: the runtime's CRI header says the text is the workload's, not the kernel's."""
+    value = f"2026-11-22T10:15:30.5Z stdout F {XID}".encode()
+    (rec,) = decoded(value, key=b"gpu-node-15", topic=TOPIC)
+    assert (rec.node, rec.line, rec.source) == ("gpu-node-15", XID, Source.POD)
+    assert [e for e in Detector().process(rec) if e.kind.value in ("xid", "gpu_fallen_off_bus")] == []
+
+
 def test_raw_cri_partial_lines_are_joined_and_need_a_node() -> None:
     value = (f"2026-11-22T10:15:30.1Z stdout P {NCCL[:40]}\n2026-11-22T10:15:30.1Z stdout F {NCCL[40:]}\n"
              "2026-11-22T10:15:31Z stdout F \n").encode()
