@@ -80,6 +80,25 @@ def group_key(event: FaultEvent, catalog: Catalog | None = None) -> str:
     return event_signature(event)
 
 
+UNADDRESSED_LOST = "gpu_lost:-"
+"""The lost-GPU group of a signal that names no GPU (only the last line of the three-line message)."""
+
+
+def fold_unaddressed(state: NodeState, group: str) -> str:
+    """A lost-GPU signal that names no GPU joins the node's open lost-GPU incident, the latest one. Pure.
+
+    Why: the three-line fallen-off-the-bus message can reach the parse stage in two parts: its first lines
+    (which name the GPU) are emitted as one event once the multi-line timeout passes, or by a worker that is
+    then restarted, and the last line later arrives alone. That line cannot say it is another GPU and the node
+    is out of service for a lost GPU already; a second incident would be a second Event and a second flow
+    for one fault.
+    """
+    if group != UNADDRESSED_LOST:
+        return group
+    open_lost = [(inc.last_seen, g) for g, inc in state.incidents.items() if g.startswith("gpu_lost:")]
+    return max(open_lost)[1] if open_lost else group
+
+
 class Aggregator:
     """The aggregation rules, configured by ``AggregationSettings`` and the catalog. Stateless itself.
 
@@ -222,7 +241,7 @@ class Aggregator:
 
     def _fault(self, state: NodeState, event: FaultEvent, now: float) -> list[Output]:
         ts = epoch(event.ts)
-        group = group_key(event, self.catalog)
+        group = fold_unaddressed(state, group_key(event, self.catalog))
         sig = event_signature(event)
         escalation = track_bursts(state, event, group, ts, self.settings, self.catalog, self._workflow(event))
         inc = state.incidents.get(group)
