@@ -85,18 +85,26 @@ UNADDRESSED_LOST = "gpu_lost:-"
 
 
 def fold_unaddressed(state: NodeState, group: str) -> str:
-    """A lost-GPU signal that names no GPU joins the node's open lost-GPU incident, the latest one. Pure.
+    """The lost-GPU group an event joins when one side names no GPU. Pure.
 
-    Why: the three-line fallen-off-the-bus message can reach the parse stage in two parts: its first lines
-    (which name the GPU) are emitted as one event once the multi-line timeout passes, or by a worker that is
-    then restarted, and the last line later arrives alone. That line cannot say it is another GPU and the node
-    is out of service for a lost GPU already; a second incident would be a second Event and a second flow
-    for one fault.
+    A signal that names no GPU joins the node's open lost-GPU incident (the latest one); a signal that
+    names one, when the node's only open lost-GPU incident is the unaddressed one, joins that. Why: the
+    three-line fallen-off-the-bus message can reach the parse stage in two parts. Its first lines (which
+    name the GPU) are emitted as one event once the multi-line timeout passes, or by a worker that is then
+    restarted, and the last line arrives alone; or, shipped without a Kafka key (rsyslog's default), its
+    lines land on different partitions and the last one is read first. Either way one fault would open two
+    incidents: two Events and two flows on a node already out of service for a lost GPU.
     """
-    if group != UNADDRESSED_LOST:
+    if not group.startswith("gpu_lost:") or group in state.incidents:
         return group
-    open_lost = [(inc.last_seen, g) for g, inc in state.incidents.items() if g.startswith("gpu_lost:")]
-    return max(open_lost)[1] if open_lost else group
+    if group == UNADDRESSED_LOST:
+        open_lost = [(inc.last_seen, g) for g, inc in state.incidents.items() if g.startswith("gpu_lost:")]
+        return max(open_lost)[1] if open_lost else group
+    if UNADDRESSED_LOST in state.incidents and not any(
+        g.startswith("gpu_lost:") and g != UNADDRESSED_LOST for g in state.incidents
+    ):
+        return UNADDRESSED_LOST
+    return group
 
 
 class Aggregator:

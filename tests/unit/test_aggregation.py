@@ -246,6 +246,19 @@ def test_last_line_of_the_fallen_off_message_alone_joins_the_open_lost_gpu_incid
     assert len(out) == 1 and list(state.incidents) == ["gpu_lost:-"]
 
 
+def test_first_lines_read_after_the_last_line_join_its_incident() -> None:
+    """Shipped without a key, the message's lines land on different partitions: the last one may come first."""
+    agg = Aggregator()
+    last = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, pci=None, at=0)
+    first = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, at=0)
+    x79_other_gpu = fault(79, pci="0000:4f:00.0", at=1)
+    state, out = run(agg, [last, first])
+    assert len({o.incident_id for o in out}) == 1 and state.incidents["gpu_lost:-"].count == 2
+    # Once an addressed lost-GPU incident is open, another GPU's is its own again.
+    state, out = run(agg, [fault(79, at=0), last, x79_other_gpu])
+    assert len({o.incident_id for o in out}) == 2
+
+
 def test_different_pci_is_a_different_incident() -> None:
     agg = Aggregator()
     _, out = run(agg, [fault(79), fault(79, pci="0000:4f:00.0")])
