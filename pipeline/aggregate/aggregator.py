@@ -80,6 +80,33 @@ def group_key(event: FaultEvent, catalog: Catalog | None = None) -> str:
     return event_signature(event)
 
 
+UNADDRESSED_LOST = "gpu_lost:-"
+"""The lost-GPU group of a signal that names no GPU (only the last line of the three-line message)."""
+
+
+def fold_unaddressed(state: NodeState, group: str) -> str:
+    """The lost-GPU group an event joins when one side names no GPU. Pure.
+
+    A signal that names no GPU joins the node's open lost-GPU incident (the latest one); a signal that
+    names one, when the node's only open lost-GPU incident is the unaddressed one, joins that. Why: the
+    three-line fallen-off-the-bus message can reach the parse stage in two parts. Its first lines (which
+    name the GPU) are emitted as one event once the multi-line timeout passes, or by a worker that is then
+    restarted, and the last line arrives alone; or, shipped without a Kafka key (rsyslog's default), its
+    lines land on different partitions and the last one is read first. Either way one fault would open two
+    incidents: two Events and two flows on a node already out of service for a lost GPU.
+    """
+    if not group.startswith("gpu_lost:") or group in state.incidents:
+        return group
+    if group == UNADDRESSED_LOST:
+        open_lost = [(inc.last_seen, g) for g, inc in state.incidents.items() if g.startswith("gpu_lost:")]
+        return max(open_lost)[1] if open_lost else group
+    if UNADDRESSED_LOST in state.incidents and not any(
+        g.startswith("gpu_lost:") and g != UNADDRESSED_LOST for g in state.incidents
+    ):
+        return UNADDRESSED_LOST
+    return group
+
+
 class Aggregator:
     """The aggregation rules, configured by ``AggregationSettings`` and the catalog. Stateless itself.
 
@@ -222,7 +249,7 @@ class Aggregator:
 
     def _fault(self, state: NodeState, event: FaultEvent, now: float) -> list[Output]:
         ts = epoch(event.ts)
-        group = group_key(event, self.catalog)
+        group = fold_unaddressed(state, group_key(event, self.catalog))
         sig = event_signature(event)
         escalation = track_bursts(state, event, group, ts, self.settings, self.catalog, self._workflow(event))
         inc = state.incidents.get(group)

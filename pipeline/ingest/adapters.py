@@ -13,7 +13,7 @@ This module is the entry point and the dispatch; the shapes are read in their ow
   unwrapped here.
 - Loki push and tail JSON (``{"streams": [...], "dropped_entries": [...]}``, many lines per record):
   ``pipeline.ingest.loki_streams``.
-- OpenTelemetry OTLP JSON, Filebeat and syslog text (rsyslog & co): ``pipeline.ingest.shippers``;
+- OpenTelemetry OTLP JSON, Filebeat, syslog text (rsyslog & co) and raw CRI lines: ``pipeline.ingest.shippers``;
   their lines become ``LogRecord``s here (``from_shipped``).
 - A ``LogRecord`` already in our own wire format (``"type": "log"``): here.
 - Plain text (one or more lines), with the node from a ``node``/``host``/``hostname`` header or the
@@ -100,7 +100,18 @@ def decode_record(
 
 
 def _from_text(ctx: RecordContext, value: bytes) -> tuple[list[LogRecord], list[DeadLetter]]:
-    syslog = shippers.syslog_lines(value.decode("utf-8", "replace"), ctx.fallback_time())
+    decoded = value.decode("utf-8", "replace")
+    cri = shippers.cri_lines(decoded)
+    if cri is not None:  # a container log file's lines, sent raw: the node comes from the key or a header
+        node = ctx.fallback_node()
+        if node is None:
+            reason = "CRI log line without node: set the Kafka key or a 'node' header"
+            return [], [ctx.dead(reason, value, DeadLetterCode.NO_NODE)]
+        # The CRI format is the container runtime's: its text is a workload's on whatever topic it came, and a
+        # workload's text never speaks for the kernel (a pod that prints dmesg output must not quarantine).
+        return [ctx.make(node, Source.POD, item.ts or ctx.fallback_time(), item.line, item.shipper)
+                for item in cri], []
+    syslog = shippers.syslog_lines(decoded, ctx.fallback_time())
     if syslog is not None:  # rsyslog & co: host and time in each line's syslog header
         return _from_shipped(ctx, syslog, value)
     node = ctx.fallback_node()
@@ -108,10 +119,9 @@ def _from_text(ctx: RecordContext, value: bytes) -> tuple[list[LogRecord], list[
         reason = "plain-text record without node: set the Kafka key or a 'node' header"
         return [], [ctx.dead(reason, value, DeadLetterCode.NO_NODE)]
     # Kernel lines may carry stray bytes; replacement keeps the line parseable and JSON-encodable.
-    text = value.decode("utf-8", "replace")
     source = ctx.default_source()
     ts = ctx.fallback_time()
-    records = [ctx.make(node, source, ts, line, "plain") for line in text.splitlines() if line.strip()]
+    records = [ctx.make(node, source, ts, line, "plain") for line in decoded.splitlines() if line.strip()]
     return records, []
 
 

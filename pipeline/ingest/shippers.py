@@ -20,6 +20,10 @@ timestamps, node fallbacks and dead letters). Shapes, from each shipper's docume
   the message: ``RSYSLOG_FileFormat``/``ForwardFormat`` (RFC 3339 time, host, tag), the traditional
   formats (``Mmm dd hh:mm:ss host tag:``) and RFC 5424 (``<PRI>1 time host app procid msgid sd msg``).
   omkafka sends no key by default, so the host in the header is the node.
+- **CRI container log lines sent raw** (rsyslog imfile or Vector's file source on ``/var/log/containers``):
+  ``<RFC 3339 nano> <stdout|stderr> <F|P> <text>``, the kubelet's runtime's own format; ``P`` (partial)
+  lines are joined up to the next ``F``. The line names no node: the Kafka key or header does; it is a pod
+  line whatever topic it came on (a workload's output, never the kernel's).
 
 Replays: ``kmsg_replay_key`` names a kernel ring-buffer line by what a replay repeats exactly (boot
 id, sequence number, time since boot), not by its wall-clock time, which Fluent Bit's kmsg input
@@ -312,6 +316,36 @@ def syslog_lines(text: str, reference: datetime) -> list[ShippedLine] | None:
         line = parsed.message if kernel or parsed.tag is None else f"{parsed.tag}: {parsed.message}"
         out.append(ShippedLine(line=line, shipper="syslog", node=parsed.host, ts=parsed.ts, kernel=kernel))
     return out or None
+
+
+# -- CRI container log lines (the runtime's file format, shipped raw) -------------------------------------
+
+# "<RFC 3339 nano> <stream> <F|P>[:more tags] <text>" (kubelet/cri-api, pkg/kubelet/kuberuntime/logs). Its
+# header looks like a syslog header ("<time> <host> <rest>"), so it is recognised first: otherwise the
+# stream name would be taken for the node and the flag for the text.
+_CRI = re.compile(rf"^(?P<ts>{_RFC3339}) (?:stdout|stderr) (?P<tag>[FP])(?::\S*)? ?(?P<msg>.*)$")
+
+
+def cri_lines(text: str) -> list[ShippedLine] | None:
+    """A text record whose every non-empty line is a CRI log line, as its full lines; else None."""
+    out: list[ShippedLine] = []
+    parts: list[str] = []
+    ts: datetime | None = None
+    for raw in text.splitlines():
+        if not raw.strip():
+            continue
+        m = _CRI.match(raw)
+        if m is None:
+            return None
+        ts = ts or _syslog_time(m.group("ts"), _EPOCH)
+        parts.append(m.group("msg"))
+        if m.group("tag") == "F":
+            if line := "".join(parts):
+                out.append(ShippedLine(line=line, shipper="cri", ts=ts))
+            parts, ts = [], None
+    if line := "".join(parts):  # a partial line whose end is in the next record: what there is of it
+        out.append(ShippedLine(line=line, shipper="cri", ts=ts))
+    return out if text.strip() else None  # lines that are all empty carry nothing to read
 
 
 # -- kernel ring buffer replays ------------------------------------------------------------------------

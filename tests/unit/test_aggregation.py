@@ -232,6 +232,33 @@ def test_fallen_off_bus_again_after_the_merge_window_is_a_repeat() -> None:
     assert [(o.revision, o.action) for o in out] == [(0, Action.REBOOT_NODE), (1, Action.CONTACT_SUPPORT)]
 
 
+def test_last_line_of_the_fallen_off_message_alone_joins_the_open_lost_gpu_incident() -> None:
+    """The message's first lines were emitted on their own (multi-line timeout, worker restart); its last
+    line, which names no GPU, arrives later: one fault, one incident."""
+    agg = Aggregator()
+    first = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, at=0)
+    last = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, pci=None, at=3)
+    state, out = run(agg, [first, last])
+    assert len({o.incident_id for o in out}) == 1 and list(state.incidents) == [f"gpu_lost:{PCI}"]
+    assert state.incidents[f"gpu_lost:{PCI}"].count == 2
+    # Alone, it still opens its incident (address unknown).
+    state, out = run(agg, [fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, pci=None, at=0)])
+    assert len(out) == 1 and list(state.incidents) == ["gpu_lost:-"]
+
+
+def test_first_lines_read_after_the_last_line_join_its_incident() -> None:
+    """Shipped without a key, the message's lines land on different partitions: the last one may come first."""
+    agg = Aggregator()
+    last = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, pci=None, at=0)
+    first = fault(None, kind=FaultKind.GPU_FALLEN_OFF_BUS, at=0)
+    x79_other_gpu = fault(79, pci="0000:4f:00.0", at=1)
+    state, out = run(agg, [last, first])
+    assert len({o.incident_id for o in out}) == 1 and state.incidents["gpu_lost:-"].count == 2
+    # Once an addressed lost-GPU incident is open, another GPU's is its own again.
+    state, out = run(agg, [fault(79, at=0), last, x79_other_gpu])
+    assert len({o.incident_id for o in out}) == 2
+
+
 def test_different_pci_is_a_different_incident() -> None:
     agg = Aggregator()
     _, out = run(agg, [fault(79), fault(79, pci="0000:4f:00.0")])

@@ -181,6 +181,40 @@ def test_plain_text_without_syslog_header_is_unchanged() -> None:
     assert records == [] and len(dead) == 1
 
 
+# -- CRI container log lines sent raw ------------------------------------------------------------------
+
+NCCL = ("[rank40]:[E1121 23:11:05.123456 ProcessGroupNCCL.cpp:616] [Rank 40] Watchdog caught collective operation "
+        "timeout: WorkNCCL(SeqNum=2411, OpType=ALLREDUCE) ran for 600046 milliseconds before timing out.")
+
+
+def test_raw_cri_line_keeps_the_node_from_the_key_not_the_stream_name() -> None:
+    """A container log file's line as the kubelet's runtime writes it ("<RFC 3339 nano> stderr F <text>"), sent
+    as is (rsyslog imfile or Vector on /var/log/containers): the stream name is no host and the flag no text."""
+    value = f"2026-11-22T10:15:30.123456789Z stderr F {NCCL}".encode()
+    (rec,) = decoded(value, key=b"gpu-node-13", topic="gpu.logs.pods")
+    assert (rec.node, rec.line, rec.source) == ("gpu-node-13", NCCL, Source.POD)
+    assert rec.ts == datetime(2026, 11, 22, 10, 15, 30, 123456, tzinfo=UTC)
+    events = Detector().process(rec)
+    assert [e.node for e in events] == ["gpu-node-13"]
+
+
+def test_raw_cri_line_on_the_kernel_topic_is_still_a_pod_line() -> None:
+    """A pod that prints dmesg output: the runtime's CRI header says the text is the workload's, not the kernel's."""
+    value = f"2026-11-22T10:15:30.5Z stdout F {XID}".encode()
+    (rec,) = decoded(value, key=b"gpu-node-15", topic=TOPIC)
+    assert (rec.node, rec.line, rec.source) == ("gpu-node-15", XID, Source.POD)
+    assert [e for e in Detector().process(rec) if e.kind.value in ("xid", "gpu_fallen_off_bus")] == []
+
+
+def test_raw_cri_partial_lines_are_joined_and_need_a_node() -> None:
+    value = (f"2026-11-22T10:15:30.1Z stdout P {NCCL[:40]}\n2026-11-22T10:15:30.1Z stdout F {NCCL[40:]}\n"
+             "2026-11-22T10:15:31Z stdout F \n").encode()
+    (rec,) = decoded(value, key=b"gpu-node-14", topic="gpu.logs.pods")
+    assert (rec.node, rec.line) == ("gpu-node-14", NCCL)
+    records, dead = decode_record(value, None, None, "gpu.logs.pods")
+    assert records == [] and len(dead) == 1 and "stdout" not in str(dead[0].reason)
+
+
 # -- kmsg replays -------------------------------------------------------------------------------------
 
 
