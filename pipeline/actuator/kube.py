@@ -1,8 +1,11 @@
 """Every Kubernetes API call the actuator makes, behind one small class.
 
-The official client is synchronous; calls run in a bounded thread pool so that many nodes are
-handled at once without blocking the event loop. Responses are read raw and parsed with orjson
-(``_preload_content=False``): the client's model deserialisation would cost more than the call.
+The official client is synchronous; its calls run in a bounded thread pool so that many nodes are
+handled at once without blocking the event loop. The few calls a quarantine makes (a Node, its status,
+an Event, the breaker's ConfigMap) go over aiohttp on the loop instead (``pipeline.actuator.kube_http``):
+in a burst the thread hops and the official client's per-call work were most of the actuator's CPU.
+Responses are read raw and parsed with orjson (``_preload_content=False``): the client's model
+deserialisation would cost more than the call.
 Errors are mapped to a few exception types the engine decides on (conflict, gone, throttled,
 forbidden, unavailable).
 
@@ -24,10 +27,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
+from pipeline.actuator.kube_http import HttpCalls
 
 T = TypeVar("T")
 
@@ -208,6 +214,12 @@ class Kube:
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.ext = client.ApiextensionsV1Api(api_client)
+        # The hot calls on the loop (the same kubeconfig); the official client where it covers more settings.
+        self.http: HttpCalls | None = (
+            HttpCalls(api_client, max(concurrency, 4) + _RESERVED_SLOTS) if HttpCalls.usable(api_client) else None
+        )
+        self.fast: Any = self.http or self.core
+        """Where the hot calls go: ``http`` (same method names as ``core``), else ``core``."""
         self._limiter = PriorityLimiter(concurrency, reserve=_RESERVED_SLOTS)
         # A thread for every slot, the reserved one too: a reserved call queued behind busy threads
         # would wait just as long as one queued for a regular slot.
@@ -247,19 +259,28 @@ class Kube:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.api_client.close()
+        if self.http is not None:
+            self.http.close()
+
+    async def aclose(self) -> None:
+        """``close``, waiting for the loop's HTTP connections to be closed (no unclosed-session warning)."""
+        if self.http is not None:
+            await self.http.aclose()
+        self.close()
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         reserved = await self._limiter.acquire(API_PRIORITY.get())
         try:
-            resp = await loop.run_in_executor(
-                self._pool,
-                functools.partial(fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs),
-            )
+            call = functools.partial(fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
+            if self.http is not None and getattr(fn, "__self__", None) is self.http:
+                resp = await call()  # kube_http: on the loop, no thread
+            else:
+                resp = await loop.run_in_executor(self._pool, call)
         except ApiException as exc:
             raise _map_error(exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeUnavailable(str(exc)) from None
+        except (urllib3.exceptions.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise KubeUnavailable(f"{type(exc).__name__}: {exc}") from None
         finally:
             self._limiter.release(reserved)
         data = resp.data
@@ -267,7 +288,7 @@ class Kube:
 
     # -- nodes -----------------------------------------------------------------------------------
     async def get_node(self, name: str) -> dict[str, Any]:
-        return await self._call(self.core.read_node, name)
+        return await self._call(self.fast.read_node, name)
 
     async def list_nodes(self, label_selector: str = "", limit: int = 500) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
@@ -284,15 +305,15 @@ class Kube:
 
     async def patch_node(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """JSON merge patch; put ``metadata.resourceVersion`` in the body to make it conditional."""
-        return await self._call(self.core.patch_node, name, body, _content_type=MERGE_PATCH)
+        return await self._call(self.fast.patch_node, name, body, _content_type=MERGE_PATCH)
 
     async def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """Strategic merge patch on the status subresource: conditions merge by type."""
-        return await self._call(self.core.patch_node_status, name, body, _content_type=STRATEGIC_PATCH)
+        return await self._call(self.fast.patch_node_status, name, body, _content_type=STRATEGIC_PATCH)
 
     # -- events, pods, jobs ------------------------------------------------------------------------
     async def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.create_namespaced_event, namespace, body)
+        return await self._call(self.fast.create_namespaced_event, namespace, body)
 
     async def list_pods_on_node(self, node: str) -> list[dict[str, Any]]:
         page = await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
@@ -322,14 +343,14 @@ class Kube:
 
     # -- configmaps (shared state) ---------------------------------------------------------------------
     async def get_configmap(self, namespace: str, name: str) -> dict[str, Any]:
-        return await self._call(self.core.read_namespaced_config_map, name, namespace)
+        return await self._call(self.fast.read_namespaced_config_map, name, namespace)
 
     async def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.create_namespaced_config_map, namespace, body)
+        return await self._call(self.fast.create_namespaced_config_map, namespace, body)
 
     async def replace_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """PUT with the read resourceVersion in the body: 409 when another replica wrote first."""
-        return await self._call(self.core.replace_namespaced_config_map, name, namespace, body)
+        return await self._call(self.fast.replace_namespaced_config_map, name, namespace, body)
 
     # -- policies -----------------------------------------------------------------------------------
     async def crd_installed(self, name: str) -> bool:
