@@ -117,6 +117,10 @@ instead of sharing the API server with them; the bound keeps a quarantine that k
 that refuses it) from holding everything else up."""
 
 
+CALM_AFTER_S = 0.25
+"""How long no quarantine must have been in flight before the held calls go (``PriorityLimiter.urgency``)."""
+
+
 class PriorityLimiter:
     """A semaphore whose waiters are served lowest priority number first, FIFO within a priority.
 
@@ -130,27 +134,44 @@ class PriorityLimiter:
     about 240 ms in a profile of a 500-node burst) while every taint of its batch waited for the admission.
     """
 
-    def __init__(self, limit: int, hold_s: float = URGENT_HOLD_S, reserve: int = 1) -> None:
+    def __init__(
+        self, limit: int, hold_s: float = URGENT_HOLD_S, reserve: int = 1, calm_after_s: float = CALM_AFTER_S
+    ) -> None:
         self._free = limit
         self._reserve_free = reserve
         self._waiters: list[tuple[int, int, asyncio.Future[bool]]] = []
         self._seq = itertools.count()
         self.hold_s = hold_s
+        self.calm_after_s = calm_after_s
         self.urgent = 0
         self._calm = asyncio.Event()
         self._calm.set()
+        self._settling: asyncio.TimerHandle | None = None
 
     def urgency(self, delta: int) -> None:
         """``delta`` more (or fewer) flows are taking a node out of scheduling now."""
         self.urgent = max(0, self.urgent + delta)
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
         if self.urgent:
             self._calm.clear()
+        elif self.calm_after_s <= 0 or self._calm.is_set():
+            self._calm.set()
         else:
+            # A burst's incidents reach a replica in waves (fetches, the worker's batches): between two waves
+            # no quarantine is in flight for a moment, and calls released then would hold the slots and the
+            # API server the next wave's taints need. Calm only once no quarantine started for a while.
+            self._settling = asyncio.get_running_loop().call_later(self.calm_after_s, self._settle)
+
+    def _settle(self) -> None:
+        self._settling = None
+        if not self.urgent:
             self._calm.set()
 
     async def acquire(self, priority: int) -> bool:
         """Wait for a slot; True when it is a reserved one (hand that back to ``release``)."""
-        if priority >= 1 and self.urgent:
+        if priority >= 1 and not self._calm.is_set():
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._calm.wait(), self.hold_s)
         if self._free > 0 and not self._waiters:
