@@ -62,7 +62,7 @@ class HttpCalls:
         cfg = api_client.configuration
         return not cfg.proxy and not cfg.socket_options and cfg.host.startswith(("https://", "http://"))
 
-    def _client(self) -> aiohttp.ClientSession:
+    def _session_here(self) -> aiohttp.ClientSession:
         loop = asyncio.get_running_loop()
         if self._session is None or self._loop is not loop or self._session.closed:
             # A Kube may outlive the loop it first ran on (tests, tools): a session belongs to one loop.
@@ -111,7 +111,7 @@ class HttpCalls:
             headers["Content-Type"] = content_type
             data = orjson.dumps(body)
         connect, read = limits
-        async with self._client().request(
+        async with self._session_here().request(
             method,
             self.base + path,
             data=data,
