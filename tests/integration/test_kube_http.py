@@ -70,13 +70,13 @@ async def test_quarantine_calls_run_on_the_loop_with_the_clients_results_and_err
 
         event = await kube.create_event(namespace, {
             "metadata": {"name": f"{node}.test"},
-            "involvedObject": {"kind": "Node", "name": node},
+            "involvedObject": {"kind": "Pod", "name": "p", "namespace": namespace},
             "reason": "Test", "message": "m", "type": "Normal",
         })
         assert event["metadata"]["namespace"] == namespace
         with pytest.raises(AlreadyExists):
             await kube.create_event(namespace, {"metadata": {"name": f"{node}.test"},
-                                                "involvedObject": {"kind": "Node", "name": node}})
+                                                "involvedObject": {"kind": "Pod", "name": "p", "namespace": namespace}})
 
         cm = await kube.create_configmap(namespace, {"metadata": {"name": "state"}, "data": {"k": "1"}})
         assert (await kube.get_configmap(namespace, "state"))["data"] == {"k": "1"}
