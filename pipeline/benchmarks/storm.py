@@ -162,6 +162,10 @@ async def storm(
         # Wait for the group to settle so the clock measures remediation, not the join.
         while any(not a.consumer.consumer.assignment() for a in actuators):  # noqa: ASYNC110 - polling aiokafka state
             await asyncio.sleep(0.05)
+        # And for the fleet's steady state: new actuators write xidflow's baseline conditions on every node
+        # first; a storm timed meanwhile shared the API server with that sweep (a call profile counted its
+        # writes as the storm's).
+        await _wait_baseline(admin, selector)
         incidents = [make_incident(n, f"storm-{tag}-{i}") for i, n in enumerate(names)]
         # A watch, not a list of every node every 50 ms: those lists, parsed on this process's loop (the
         # actuators' own), were most of its orjson time in a cProfile of the storm, and loaded the API server.
@@ -219,6 +223,21 @@ async def storm(
         except Exception:  # noqa: BLE001 - the namespace may not exist when setup failed early
             pass
         await admin.aclose()
+
+
+async def _wait_baseline(kube: Kube, selector: str, limit_s: float = 300) -> None:
+    """Until every node of the selector carries xidflow's own conditions (the actuators' first sweep is done)."""
+    from pipeline.actuator.problems import ProblemClass
+    from pipeline.benchmarks.burst_watch import condition_types
+
+    wanted = {str(c) for c in ProblemClass}
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        page = await kube._call(kube.core.list_node, label_selector=selector)
+        if all(wanted <= condition_types(n) for n in page.get("items") or []):
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"storm: nodes still lack xidflow's conditions after {limit_s:.0f} s")
 
 
 async def _stop(actuators: list[Actuator], tasks: list[asyncio.Task[None]]) -> None:
