@@ -112,9 +112,15 @@ _QUARANTINING: contextvars.ContextVar[PriorityLimiter | None] = contextvars.Cont
 
 URGENT_HOLD_S = 5.0
 """Longest wait of one lower-priority call (priority 1 and up: Events, conditions, resumed flows) while this
-process is taking nodes out of scheduling. In a burst the taints then land before any Event or condition,
-instead of sharing the API server with them; the bound keeps a quarantine that keeps failing (an API server
-that refuses it) from holding everything else up."""
+process is taking nodes out of scheduling and none of its quarantines started or ended. In a burst the taints
+then land before any Event or condition, instead of sharing the API server with them; the bound keeps a
+quarantine that makes no progress (an API server that does not answer it) from holding everything else up.
+It was once the whole wait: in a burst longer than it (a 500-node storm on a loaded machine, 13-24 s), a call
+profile counted nearly every Event and the workload's pod list asked for before the last taint."""
+
+URGENT_MAX_HOLD_S = 30.0
+"""Longest wait of one lower-priority call while quarantines go on: incidents that never stop arriving do not
+starve Events and conditions."""
 
 
 CALM_AFTER_S = 0.25
@@ -125,8 +131,8 @@ class PriorityLimiter:
     """A semaphore whose waiters are served lowest priority number first, FIFO within a priority.
 
     While ``urgent`` flows are taking nodes out of scheduling, calls of priority 1 and up do not even
-    queue for a slot (up to ``hold_s`` each): a slot they held would be one a taint waits for, and the
-    API server's time they took would be the taints' too.
+    queue for a slot (while those make progress, up to ``max_hold_s`` each): a slot they held would be one
+    a taint waits for, and the API server's time they took would be the taints' too.
 
     Calls of negative priority (the breaker's read-modify-write) may take one of ``reserve`` extra slots
     when every regular slot is busy. Going first among the waiters is not enough for them: in a burst all
@@ -135,7 +141,12 @@ class PriorityLimiter:
     """
 
     def __init__(
-        self, limit: int, hold_s: float = URGENT_HOLD_S, reserve: int = 1, calm_after_s: float = CALM_AFTER_S
+        self,
+        limit: int,
+        hold_s: float = URGENT_HOLD_S,
+        reserve: int = 1,
+        calm_after_s: float = CALM_AFTER_S,
+        max_hold_s: float = URGENT_MAX_HOLD_S,
     ) -> None:
         self._free = limit
         self._reserve_free = reserve
@@ -143,6 +154,8 @@ class PriorityLimiter:
         self._seq = itertools.count()
         self.hold_s = hold_s
         self.calm_after_s = calm_after_s
+        self.max_hold_s = max_hold_s
+        self._progress = 0.0  # loop time a quarantine last started or ended
         self.urgent = 0
         self._calm = asyncio.Event()
         self._calm.set()
@@ -151,6 +164,8 @@ class PriorityLimiter:
     def urgency(self, delta: int) -> None:
         """``delta`` more (or fewer) flows are taking a node out of scheduling now."""
         self.urgent = max(0, self.urgent + delta)
+        loop = asyncio.get_running_loop()
+        self._progress = loop.time()
         if self._settling is not None:
             self._settling.cancel()
             self._settling = None
@@ -162,18 +177,29 @@ class PriorityLimiter:
             # A burst's incidents reach a replica in waves (fetches, the worker's batches): between two waves
             # no quarantine is in flight for a moment, and calls released then would hold the slots and the
             # API server the next wave's taints need. Calm only once no quarantine started for a while.
-            self._settling = asyncio.get_running_loop().call_later(self.calm_after_s, self._settle)
+            self._settling = loop.call_later(self.calm_after_s, self._settle)
 
     def _settle(self) -> None:
         self._settling = None
         if not self.urgent:
             self._calm.set()
 
+    async def _hold(self) -> None:
+        """Until calm, while a quarantine started or ended within ``hold_s``; ``max_hold_s`` at most."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.max_hold_s
+        while not self._calm.is_set():
+            now = loop.time()
+            left = min(self._progress + self.hold_s, give_up) - now
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._calm.wait(), left)
+
     async def acquire(self, priority: int) -> bool:
         """Wait for a slot; True when it is a reserved one (hand that back to ``release``)."""
         if priority >= 1 and not self._calm.is_set():
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._calm.wait(), self.hold_s)
+            await self._hold()
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return False

@@ -286,3 +286,28 @@ async def test_held_calls_wait_for_a_calm_moment_between_waves_of_quarantines() 
     assert not event.done()
     limiter.urgency(-1)
     await asyncio.wait_for(event, 1)  # no quarantine for the calm period: the held calls go
+
+
+async def test_held_calls_wait_as_long_as_quarantines_make_progress() -> None:
+    import asyncio
+
+    from pipeline.actuator.kube import PriorityLimiter
+
+    limiter = PriorityLimiter(4, hold_s=0.2, calm_after_s=0, max_hold_s=30)
+    limiter.urgency(1)
+    event = asyncio.create_task(limiter.acquire(1))
+    for _ in range(4):  # a burst longer than hold_s whose quarantines keep ending and starting
+        await asyncio.sleep(0.1)
+        limiter.urgency(1)
+        limiter.urgency(-1)
+    assert not event.done()  # 0.4 s held: the taints still go first
+    await asyncio.wait_for(event, 1)  # no progress for hold_s (a quarantine stuck on the API server): it goes
+
+    capped = PriorityLimiter(4, hold_s=0.2, calm_after_s=0, max_hold_s=0.3)
+    capped.urgency(1)
+    call = asyncio.create_task(capped.acquire(1))
+    for _ in range(3):
+        await asyncio.sleep(0.1)
+        capped.urgency(1)
+    await asyncio.sleep(0.1)
+    assert call.done()  # quarantines that never stop coming do not starve the others
