@@ -55,17 +55,20 @@ async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, conc
 def _count_calls(kube: Kube, calls: collections.Counter[str], timeline: list[tuple[float, str]] | None = None) -> None:
     """Count every API call this Kube makes, by client method (a profile of the storm).
 
-    ``timeline``: each call's (time.time() when it was asked for, method), to place it before or after the
-    storm's last taint (``calls_by_phase``).
+    ``timeline``: each call's (time.time() when it returned, method), to place it before or after the
+    storm's last taint (``calls_by_phase``). When it returned, not when it was asked for: a call held back
+    behind the quarantines (``PriorityLimiter``) is asked for early and sent once they are done.
     """
     original = kube._call
 
     async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
         name = getattr(fn, "__name__", str(fn))
         calls[name] += 1
-        if timeline is not None:
-            timeline.append((time.time(), name))
-        return await original(fn, *args, **kwargs)
+        try:
+            return await original(fn, *args, **kwargs)
+        finally:
+            if timeline is not None:
+                timeline.append((time.time(), name))
 
     kube._call = counted  # type: ignore[method-assign]
 
@@ -73,7 +76,7 @@ def _count_calls(kube: Kube, calls: collections.Counter[str], timeline: list[tup
 def calls_by_phase(
     timeline: list[tuple[float, str]], start: float, last_taint: float, nodes: int
 ) -> dict[str, dict[str, float]]:
-    """API calls per node asked for during the storm (up to its last taint) and after it, by method. Pure.
+    """API calls per node done during the storm (up to its last taint) and after it, by method. Pure.
 
     What shares the API server with the taints while the clock runs, against what waits until they are done.
     """
@@ -207,7 +210,7 @@ async def storm(
             "storm_api_concurrency": api_concurrency,
             # Profile: API calls the actuators made per quarantined node, by call (the raw client makes 2).
             "storm_api_calls_per_node": {k: round(v / nodes, 2) for k, v in calls.most_common()},
-            # The same by phase: asked for up to the last taint (sharing the API server with the taints), and after.
+            # The same by phase: done up to the last taint (sharing the API server with the taints), and after.
             "storm_api_calls_per_node_during": phases["during"],
             "storm_api_calls_per_node_after": phases["after"],
             "storm_replicas": replicas,
