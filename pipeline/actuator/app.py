@@ -224,7 +224,7 @@ class Actuator:
         await self.auditor.stop()
         if self.notifier is not None and hasattr(self.notifier, "stop"):
             await self.notifier.stop()
-        self.kube.close()
+        await self.kube.aclose()
 
     async def run_forever(self, stop: asyncio.Event) -> None:
         """Run until ``stop`` is set or the consumer gives up (a bug); then shut down cleanly.

@@ -1,8 +1,11 @@
 """Every Kubernetes API call the actuator makes, behind one small class.
 
-The official client is synchronous; calls run in a bounded thread pool so that many nodes are
-handled at once without blocking the event loop. Responses are read raw and parsed with orjson
-(``_preload_content=False``): the client's model deserialisation would cost more than the call.
+The official client is synchronous; its calls run in a bounded thread pool so that many nodes are
+handled at once without blocking the event loop. The few calls a quarantine makes (a Node, its status,
+an Event, the breaker's ConfigMap) go over aiohttp on the loop instead (``pipeline.actuator.kube_http``):
+in a burst the thread hops and the official client's per-call work were most of the actuator's CPU.
+Responses are read raw and parsed with orjson (``_preload_content=False``): the client's model
+deserialisation would cost more than the call.
 Errors are mapped to a few exception types the engine decides on (conflict, gone, throttled,
 forbidden, unavailable).
 
@@ -24,10 +27,13 @@ from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
+import aiohttp
 import orjson
 import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
+
+from pipeline.actuator.kube_http import HttpCalls
 
 T = TypeVar("T")
 
@@ -106,17 +112,27 @@ _QUARANTINING: contextvars.ContextVar[PriorityLimiter | None] = contextvars.Cont
 
 URGENT_HOLD_S = 5.0
 """Longest wait of one lower-priority call (priority 1 and up: Events, conditions, resumed flows) while this
-process is taking nodes out of scheduling. In a burst the taints then land before any Event or condition,
-instead of sharing the API server with them; the bound keeps a quarantine that keeps failing (an API server
-that refuses it) from holding everything else up."""
+process is taking nodes out of scheduling and none of its quarantines started or ended. In a burst the taints
+then land before any Event or condition, instead of sharing the API server with them; the bound keeps a
+quarantine that makes no progress (an API server that does not answer it) from holding everything else up.
+It was once the whole wait: in a burst longer than it (a 500-node storm on a loaded machine, 13-24 s), a call
+profile counted nearly every Event and the workload's pod list asked for before the last taint."""
+
+URGENT_MAX_HOLD_S = 30.0
+"""Longest wait of one lower-priority call while quarantines go on: incidents that never stop arriving do not
+starve Events and conditions."""
+
+
+CALM_AFTER_S = 0.25
+"""How long no quarantine must have been in flight before the held calls go (``PriorityLimiter.urgency``)."""
 
 
 class PriorityLimiter:
     """A semaphore whose waiters are served lowest priority number first, FIFO within a priority.
 
     While ``urgent`` flows are taking nodes out of scheduling, calls of priority 1 and up do not even
-    queue for a slot (up to ``hold_s`` each): a slot they held would be one a taint waits for, and the
-    API server's time they took would be the taints' too.
+    queue for a slot (while those make progress, up to ``max_hold_s`` each): a slot they held would be one
+    a taint waits for, and the API server's time they took would be the taints' too.
 
     Calls of negative priority (the breaker's read-modify-write) may take one of ``reserve`` extra slots
     when every regular slot is busy. Going first among the waiters is not enough for them: in a burst all
@@ -124,29 +140,66 @@ class PriorityLimiter:
     about 240 ms in a profile of a 500-node burst) while every taint of its batch waited for the admission.
     """
 
-    def __init__(self, limit: int, hold_s: float = URGENT_HOLD_S, reserve: int = 1) -> None:
+    def __init__(
+        self,
+        limit: int,
+        hold_s: float = URGENT_HOLD_S,
+        reserve: int = 1,
+        calm_after_s: float = CALM_AFTER_S,
+        max_hold_s: float = URGENT_MAX_HOLD_S,
+    ) -> None:
         self._free = limit
         self._reserve_free = reserve
         self._waiters: list[tuple[int, int, asyncio.Future[bool]]] = []
         self._seq = itertools.count()
         self.hold_s = hold_s
+        self.calm_after_s = calm_after_s
+        self.max_hold_s = max_hold_s
+        self._progress = 0.0  # loop time a quarantine last started or ended
         self.urgent = 0
         self._calm = asyncio.Event()
         self._calm.set()
+        self._settling: asyncio.TimerHandle | None = None
 
     def urgency(self, delta: int) -> None:
         """``delta`` more (or fewer) flows are taking a node out of scheduling now."""
         self.urgent = max(0, self.urgent + delta)
+        loop = asyncio.get_running_loop()
+        self._progress = loop.time()
+        if self._settling is not None:
+            self._settling.cancel()
+            self._settling = None
         if self.urgent:
             self._calm.clear()
-        else:
+        elif self.calm_after_s <= 0 or self._calm.is_set():
             self._calm.set()
+        else:
+            # A burst's incidents reach a replica in waves (fetches, the worker's batches): between two waves
+            # no quarantine is in flight for a moment, and calls released then would hold the slots and the
+            # API server the next wave's taints need. Calm only once no quarantine started for a while.
+            self._settling = loop.call_later(self.calm_after_s, self._settle)
+
+    def _settle(self) -> None:
+        self._settling = None
+        if not self.urgent:
+            self._calm.set()
+
+    async def _hold(self) -> None:
+        """Until calm, while a quarantine started or ended within ``hold_s``; ``max_hold_s`` at most."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + self.max_hold_s
+        while not self._calm.is_set():
+            now = loop.time()
+            left = min(self._progress + self.hold_s, give_up) - now
+            if left <= 0:
+                return
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._calm.wait(), left)
 
     async def acquire(self, priority: int) -> bool:
         """Wait for a slot; True when it is a reserved one (hand that back to ``release``)."""
-        if priority >= 1 and self.urgent:
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._calm.wait(), self.hold_s)
+        if priority >= 1 and not self._calm.is_set():
+            await self._hold()
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return False
@@ -208,6 +261,12 @@ class Kube:
         self.batch = client.BatchV1Api(api_client)
         self.custom = client.CustomObjectsApi(api_client)
         self.ext = client.ApiextensionsV1Api(api_client)
+        # The hot calls on the loop (the same kubeconfig); the official client where it covers more settings.
+        self.http: HttpCalls | None = (
+            HttpCalls(api_client, max(concurrency, 4) + _RESERVED_SLOTS) if HttpCalls.usable(api_client) else None
+        )
+        self.fast: Any = self.http or self.core
+        """Where the hot calls go: ``http`` (same method names as ``core``), else ``core``."""
         self._limiter = PriorityLimiter(concurrency, reserve=_RESERVED_SLOTS)
         # A thread for every slot, the reserved one too: a reserved call queued behind busy threads
         # would wait just as long as one queued for a regular slot.
@@ -247,19 +306,28 @@ class Kube:
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         self.api_client.close()
+        if self.http is not None:
+            self.http.close()
+
+    async def aclose(self) -> None:
+        """``close``, waiting for the loop's HTTP connections to be closed (no unclosed-session warning)."""
+        if self.http is not None:
+            await self.http.aclose()
+        self.close()
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         reserved = await self._limiter.acquire(API_PRIORITY.get())
         try:
-            resp = await loop.run_in_executor(
-                self._pool,
-                functools.partial(fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs),
-            )
+            call = functools.partial(fn, *args, _preload_content=False, _request_timeout=self.request_timeout, **kwargs)
+            if self.http is not None and getattr(fn, "__self__", None) is self.http:
+                resp = await call()  # kube_http: on the loop, no thread
+            else:
+                resp = await loop.run_in_executor(self._pool, call)
         except ApiException as exc:
             raise _map_error(exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeUnavailable(str(exc)) from None
+        except (urllib3.exceptions.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise KubeUnavailable(f"{type(exc).__name__}: {exc}") from None
         finally:
             self._limiter.release(reserved)
         data = resp.data
@@ -267,7 +335,7 @@ class Kube:
 
     # -- nodes -----------------------------------------------------------------------------------
     async def get_node(self, name: str) -> dict[str, Any]:
-        return await self._call(self.core.read_node, name)
+        return await self._call(self.fast.read_node, name)
 
     async def list_nodes(self, label_selector: str = "", limit: int = 500) -> list[dict[str, Any]]:
         items: list[dict[str, Any]] = []
@@ -284,15 +352,15 @@ class Kube:
 
     async def patch_node(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """JSON merge patch; put ``metadata.resourceVersion`` in the body to make it conditional."""
-        return await self._call(self.core.patch_node, name, body, _content_type=MERGE_PATCH)
+        return await self._call(self.fast.patch_node, name, body, _content_type=MERGE_PATCH)
 
     async def patch_node_status(self, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """Strategic merge patch on the status subresource: conditions merge by type."""
-        return await self._call(self.core.patch_node_status, name, body, _content_type=STRATEGIC_PATCH)
+        return await self._call(self.fast.patch_node_status, name, body, _content_type=STRATEGIC_PATCH)
 
     # -- events, pods, jobs ------------------------------------------------------------------------
     async def create_event(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.create_namespaced_event, namespace, body)
+        return await self._call(self.fast.create_namespaced_event, namespace, body)
 
     async def list_pods_on_node(self, node: str) -> list[dict[str, Any]]:
         page = await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
@@ -322,14 +390,14 @@ class Kube:
 
     # -- configmaps (shared state) ---------------------------------------------------------------------
     async def get_configmap(self, namespace: str, name: str) -> dict[str, Any]:
-        return await self._call(self.core.read_namespaced_config_map, name, namespace)
+        return await self._call(self.fast.read_namespaced_config_map, name, namespace)
 
     async def create_configmap(self, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call(self.core.create_namespaced_config_map, namespace, body)
+        return await self._call(self.fast.create_namespaced_config_map, namespace, body)
 
     async def replace_configmap(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """PUT with the read resourceVersion in the body: 409 when another replica wrote first."""
-        return await self._call(self.core.replace_namespaced_config_map, name, namespace, body)
+        return await self._call(self.fast.replace_namespaced_config_map, name, namespace, body)
 
     # -- policies -----------------------------------------------------------------------------------
     async def crd_installed(self, name: str) -> bool:

@@ -142,6 +142,9 @@ async def run_scenario(
             # The actuators write Events and conditions after the taints: a baseline timed while they
             # still do would share the API server with them and flatter the ratio.
             out[f"{prefix}_settled_s"] = await world.wait_conditions(list(sent))
+            # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
+            # until after the last taint is still work.
+            out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
             progress(f"{prefix}: bare client", 1, 1)
         return out
@@ -202,7 +205,7 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
         cpu = cpu_spent(cpu_before, cpu_seconds(world))
     finally:
-        kube.close()
+        await kube.aclose()
         with contextlib.suppress(Exception):
             await delete_nodes(world.kube, names)
     raw_ms = world.nodes / rate * 1000

@@ -303,7 +303,7 @@ class World:
             await delete_nodes(self.kube, [*self.names, *self.idle, *self.warm, *self.others])
         with contextlib.suppress(Exception):
             await self.kube._call(self.kube.core.delete_namespace, self.namespace)
-        self.kube.close()
+        await self.kube.aclose()
 
 
 class IncidentTail:

@@ -52,15 +52,45 @@ async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, conc
     return len(names) / (time.perf_counter() - start)
 
 
-def _count_calls(kube: Kube, calls: collections.Counter[str]) -> None:
-    """Count every API call this Kube makes, by client method (a profile of the storm)."""
+def _count_calls(kube: Kube, calls: collections.Counter[str], timeline: list[tuple[float, str]] | None = None) -> None:
+    """Count every API call this Kube makes, by client method (a profile of the storm).
+
+    ``timeline``: each call's (time.time() when it returned, method), to place it before or after the
+    storm's last taint (``calls_by_phase``). When it returned, not when it was asked for: a call held back
+    behind the quarantines (``PriorityLimiter``) is asked for early and sent once they are done.
+    """
     original = kube._call
 
     async def counted(fn: Any, *args: Any, **kwargs: Any) -> Any:
-        calls[getattr(fn, "__name__", str(fn))] += 1
-        return await original(fn, *args, **kwargs)
+        name = getattr(fn, "__name__", str(fn))
+        calls[name] += 1
+        try:
+            return await original(fn, *args, **kwargs)
+        finally:
+            if timeline is not None:
+                timeline.append((time.time(), name))
 
     kube._call = counted  # type: ignore[method-assign]
+
+
+def calls_by_phase(
+    timeline: list[tuple[float, str]], start: float, last_taint: float, nodes: int
+) -> dict[str, dict[str, float]]:
+    """API calls per node done during the storm (up to its last taint) and after it, by method. Pure.
+
+    What shares the API server with the taints while the clock runs, against what waits until they are done.
+    """
+    during: collections.Counter[str] = collections.Counter()
+    after: collections.Counter[str] = collections.Counter()
+    for at, name in timeline:
+        if at < start:
+            continue
+        (during if at <= last_taint else after)[name] += 1
+    per = max(nodes, 1)
+    return {
+        "during": {k: round(v / per, 3) for k, v in during.most_common()},
+        "after": {k: round(v / per, 3) for k, v in after.most_common()},
+    }
 
 
 def _quarantined(node: dict[str, Any], taint_key: str) -> bool:
@@ -93,6 +123,7 @@ async def storm(
     partitions: int = 8,
     api_concurrency: int = 32,
     replicas: int = 1,
+    settle_s: float = 0.0,
 ) -> dict[str, Any]:
     bootstrap = bootstrap or KafkaSettings().bootstrap_servers
     kubeconfig = kubeconfig or os.environ.get("KUBECONFIG")
@@ -114,6 +145,7 @@ async def storm(
     actuators: list[Actuator] = []
     watch: QuarantineWatch | None = None
     calls: collections.Counter[str] = collections.Counter()
+    timeline: list[tuple[float, str]] = []
     tasks: list[asyncio.Task[None]] = []
     try:
         await ensure_topics(bootstrap, actuator_topics(topics), partitions)
@@ -126,13 +158,17 @@ async def storm(
                 kubeconfig,
                 PolicySet(),
             )
-            _count_calls(act.kube, calls)
+            _count_calls(act.kube, calls, timeline)
             await act.start()
             actuators.append(act)
             tasks.append(asyncio.create_task(act.run()))
         # Wait for the group to settle so the clock measures remediation, not the join.
         while any(not a.consumer.consumer.assignment() for a in actuators):  # noqa: ASYNC110 - polling aiokafka state
             await asyncio.sleep(0.05)
+        # And for the fleet's steady state: new actuators write xidflow's baseline conditions on every node
+        # first; a storm timed meanwhile shared the API server with that sweep (a call profile counted its
+        # writes as the storm's).
+        await _wait_baseline(admin, selector)
         incidents = [make_incident(n, f"storm-{tag}-{i}") for i, n in enumerate(names)]
         # A watch, not a list of every node every 50 ms: those lists, parsed on this process's loop (the
         # actuators' own), were most of its orjson time in a cProfile of the storm, and loaded the API server.
@@ -147,21 +183,24 @@ async def storm(
             if time.monotonic() > deadline:
                 raise RuntimeError(f"storm: {len(watch.tainted)} of {nodes} nodes quarantined after 300 s")
             await asyncio.sleep(0.02)
-        seconds = max(watch.tainted.values()) - start
+        last_taint = max(watch.tainted.values())
+        seconds = last_taint - start
         # The actuators still write Events and conditions after the taints: a baseline timed meanwhile
         # shared the API server (and this process) with them, which made the storm look faster than a
         # bare client (burst: ``World.wait_conditions``). They stop first (records in flight recorded, the
         # rest of their flows cancelled).
         settle = time.perf_counter()
+        await asyncio.sleep(settle_s)  # the Events and conditions held behind the taints: counted, after
         await _stop(actuators, tasks)
         settled_s = time.perf_counter() - settle
+        phases = calls_by_phase(timeline, start, last_taint, nodes)
         # The baseline, same run, same API server, same concurrency: a bare client's writes.
         await create_nodes(admin, raw_names, {"xidflow.bench/storm-raw": tag})
         raw_kube = Kube.from_config(kubeconfig, api_concurrency)
         try:
             raw_rate = await raw_quarantine_rate(raw_kube, raw_names, settings.taint_key, api_concurrency)
         finally:
-            raw_kube.close()
+            await raw_kube.aclose()
         return {
             "raw_nodes_per_s": round(raw_rate, 1),
             "storm_vs_raw_ratio": round(nodes / seconds / raw_rate, 3),
@@ -171,6 +210,9 @@ async def storm(
             "storm_api_concurrency": api_concurrency,
             # Profile: API calls the actuators made per quarantined node, by call (the raw client makes 2).
             "storm_api_calls_per_node": {k: round(v / nodes, 2) for k, v in calls.most_common()},
+            # The same by phase: done up to the last taint (sharing the API server with the taints), and after.
+            "storm_api_calls_per_node_during": phases["during"],
+            "storm_api_calls_per_node_after": phases["after"],
             "storm_replicas": replicas,
             "storm_settled_s": round(settled_s, 2),
         }
@@ -183,7 +225,22 @@ async def storm(
             await admin._call(admin.core.delete_namespace, settings.namespace)
         except Exception:  # noqa: BLE001 - the namespace may not exist when setup failed early
             pass
-        admin.close()
+        await admin.aclose()
+
+
+async def _wait_baseline(kube: Kube, selector: str, limit_s: float = 300) -> None:
+    """Until every node of the selector carries xidflow's own conditions (the actuators' first sweep is done)."""
+    from pipeline.actuator.problems import ProblemClass
+    from pipeline.benchmarks.burst_watch import condition_types
+
+    wanted = {str(c) for c in ProblemClass}
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        page = await kube._call(kube.core.list_node, label_selector=selector)
+        if all(wanted <= condition_types(n) for n in page.get("items") or []):
+            return
+        await asyncio.sleep(0.5)
+    raise RuntimeError(f"storm: nodes still lack xidflow's conditions after {limit_s:.0f} s")
 
 
 async def _stop(actuators: list[Actuator], tasks: list[asyncio.Task[None]]) -> None:

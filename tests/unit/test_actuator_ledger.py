@@ -268,3 +268,46 @@ async def test_other_calls_wait_while_nodes_are_taken_out_of_scheduling_but_not_
     bounded = PriorityLimiter(4, hold_s=0.05)
     bounded.urgency(1)  # a quarantine that never ends (an API server refusing it) holds others only briefly
     await asyncio.wait_for(bounded.acquire(1), 1)
+
+
+async def test_held_calls_wait_for_a_calm_moment_between_waves_of_quarantines() -> None:
+    import asyncio
+
+    from pipeline.actuator.kube import PriorityLimiter
+
+    limiter = PriorityLimiter(4, hold_s=30, calm_after_s=0.2)
+    limiter.urgency(1)  # the first wave of a burst
+    event = asyncio.create_task(limiter.acquire(1))
+    limiter.urgency(-1)  # its last quarantine is done; the next wave is still being fetched
+    await asyncio.sleep(0.1)
+    assert not event.done()  # released now, it would take a slot and the API server from the next wave
+    limiter.urgency(1)  # the next wave starts within the calm period
+    await asyncio.sleep(0.15)
+    assert not event.done()
+    limiter.urgency(-1)
+    await asyncio.wait_for(event, 1)  # no quarantine for the calm period: the held calls go
+
+
+async def test_held_calls_wait_as_long_as_quarantines_make_progress() -> None:
+    import asyncio
+
+    from pipeline.actuator.kube import PriorityLimiter
+
+    limiter = PriorityLimiter(4, hold_s=0.2, calm_after_s=0, max_hold_s=30)
+    limiter.urgency(1)
+    event = asyncio.create_task(limiter.acquire(1))
+    for _ in range(4):  # a burst longer than hold_s whose quarantines keep ending and starting
+        await asyncio.sleep(0.1)
+        limiter.urgency(1)
+        limiter.urgency(-1)
+    assert not event.done()  # 0.4 s held: the taints still go first
+    await asyncio.wait_for(event, 1)  # no progress for hold_s (a quarantine stuck on the API server): it goes
+
+    capped = PriorityLimiter(4, hold_s=0.2, calm_after_s=0, max_hold_s=0.3)
+    capped.urgency(1)
+    call = asyncio.create_task(capped.acquire(1))
+    for _ in range(3):
+        await asyncio.sleep(0.1)
+        capped.urgency(1)
+    await asyncio.sleep(0.1)
+    assert call.done()  # quarantines that never stop coming do not starve the others

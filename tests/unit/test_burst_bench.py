@@ -66,3 +66,15 @@ def test_first_unsettled_is_the_first_rebalance_of_the_members_groups_after_its_
     quick = _looks("w", (1.0, "Stable", "w0,w1"), (1.2, "Stable", "w1"), (1.4, "PreparingRebalance", "w0,w1"))
     assert first_unsettled(quick, ["w"], after=0.5, member="w0") == 1.2
     assert first_unsettled(quick, ["w"], after=0.5) == 1.4
+
+
+def test_storm_calls_are_split_at_the_last_taint() -> None:
+    from pipeline.benchmarks.storm import calls_by_phase
+
+    timeline = [(0.5, "list_node"), (1.0, "patch_node"), (1.5, "patch_node"), (2.0, "replace_namespaced_config_map"),
+                (2.5, "patch_node_status"), (3.0, "create_namespaced_event")]
+    phases = calls_by_phase(timeline, start=1.0, last_taint=2.0, nodes=2)
+    assert phases == {
+        "during": {"patch_node": 1.0, "replace_namespaced_config_map": 0.5},  # before the clock: not counted
+        "after": {"patch_node_status": 0.5, "create_namespaced_event": 0.5},
+    }

@@ -1,0 +1,103 @@
+"""The quarantine's API calls over aiohttp on the event loop, against the real API server.
+
+They must behave as the official client's did (same bodies, same error types) and never take a call
+thread: the thread hop and the client's per-call work were most of the actuator's CPU in a burst.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import pytest
+from kubernetes import config
+
+from pipeline.actuator.kube import AlreadyExists, Conflict, Invalid, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.testing import create_nodes, delete_nodes
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture
+async def kube(kubeconfig: str) -> AsyncIterator[Kube]:
+    k = Kube.from_config(kubeconfig, 4)
+    yield k
+    await k.aclose()
+
+
+def pool_calls(kube: Kube) -> list[str]:
+    """Record every call handed to the Kube's call threads."""
+    seen: list[str] = []
+    submit = kube._pool.submit
+
+    def spy(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        seen.append(getattr(getattr(fn, "func", fn), "__name__", repr(fn)))
+        return submit(fn, *args, **kwargs)
+
+    kube._pool.submit = spy  # type: ignore[method-assign]
+    return seen
+
+
+async def test_quarantine_calls_run_on_the_loop_with_the_clients_results_and_errors(
+    kube: Kube, unique: Callable[[str], str]
+) -> None:
+    node = unique("gpu")
+    namespace = unique("ns")
+    await create_nodes(kube, [node], {"xidflow.test/http": "1"})
+    await kube._call(kube.core.create_namespace, {"metadata": {"name": namespace}})
+    threads = pool_calls(kube)
+    try:
+        read = await kube.get_node(node)
+        assert read["metadata"]["name"] == node
+        with pytest.raises(NotFound):
+            await kube.get_node(unique("missing"))
+
+        patched = await kube.patch_node(node, {
+            "metadata": {"resourceVersion": read["metadata"]["resourceVersion"], "annotations": {"a": "b"}},
+            "spec": {"unschedulable": True, "taints": [{"key": "xidflow.test/t", "effect": "NoSchedule"}]},
+        })
+        assert patched["spec"]["unschedulable"] is True
+        assert patched["metadata"]["annotations"]["a"] == "b"
+        with pytest.raises(Conflict):  # the read's resourceVersion is stale now
+            await kube.patch_node(node, {"metadata": {"resourceVersion": read["metadata"]["resourceVersion"]}})
+        with pytest.raises(Invalid):  # a taint without an effect: the API server refuses the request itself
+            await kube.patch_node(node, {"spec": {"taints": [{"key": "xidflow.test/bad"}]}})
+
+        condition = {"type": "XidflowHttpTest", "status": "True", "reason": "Test", "message": "m"}
+        status = await kube.patch_node_status(node, {"status": {"conditions": [condition]}})
+        types = {c["type"] for c in status["status"]["conditions"]}
+        assert "XidflowHttpTest" in types and "Ready" in types  # merged by type, not replaced
+
+        event = await kube.create_event(namespace, {
+            "metadata": {"name": f"{node}.test"},
+            "involvedObject": {"kind": "Pod", "name": "p", "namespace": namespace},
+            "reason": "Test", "message": "m", "type": "Normal",
+        })
+        assert event["metadata"]["namespace"] == namespace
+        with pytest.raises(AlreadyExists):
+            await kube.create_event(namespace, {"metadata": {"name": f"{node}.test"},
+                                                "involvedObject": {"kind": "Pod", "name": "p", "namespace": namespace}})
+
+        cm = await kube.create_configmap(namespace, {"metadata": {"name": "state"}, "data": {"k": "1"}})
+        assert (await kube.get_configmap(namespace, "state"))["data"] == {"k": "1"}
+        newer = await kube.replace_configmap(namespace, "state", {**cm, "data": {"k": "2"}})
+        assert newer["data"] == {"k": "2"}
+        with pytest.raises(Conflict):  # written with the first version: another replica wrote since
+            await kube.replace_configmap(namespace, "state", {**cm, "data": {"k": "3"}})
+        assert threads == []  # none of them took a call thread
+    finally:
+        await kube._call(kube.core.delete_namespace, namespace)
+        await delete_nodes(kube, [node])
+
+
+async def test_an_unreachable_api_server_is_unavailable_not_a_crash(kubeconfig: str) -> None:
+    api_client = config.new_client_from_config(config_file=kubeconfig)
+    api_client.configuration.host = "https://127.0.0.1:9"  # discard port: nothing listens
+    dead = Kube(api_client, 2)
+    try:
+        with pytest.raises(KubeUnavailable):
+            await dead.get_node("any")
+        with pytest.raises(KubeUnavailable):
+            await dead.patch_node("any", {"spec": {"unschedulable": True}})
+    finally:
+        await dead.aclose()
