@@ -40,6 +40,7 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from kubernetes import client, config
 
+from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.testing import create_nodes, node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.demo.shipping import FluentBitAccess, NodeShipper
@@ -198,8 +199,7 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
     topics = env.topics
     raw = [topics.name(t) for t in ("logs_kernel", "logs_pods", "health_checks")]
     await ensure_topics(kafka_bootstrap, worker_topics(app_id, topics), PARTITIONS)
-    await ensure_topics(kafka_bootstrap, [topics.name(t) for t in ("remediation_audit", "remediation_requests")],
-                        PARTITIONS)
+    await ensure_topics(kafka_bootstrap, actuator_topics(topics), PARTITIONS)
     await ensure_ns(env.kube, env.namespace)
     work = unique("work")
     await ensure_ns(env.kube, work)
