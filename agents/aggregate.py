@@ -62,6 +62,8 @@ def register(xapp: XidflowApp) -> None:
         changelog: asyncio.Future[Any] | None = None  # the previous batch's, until the broker has it
         while True:
             events = await batches.take()
+            if events is None:
+                return  # the channel ended: Faust is stopping the agent
             taken = events
             consumer = app.consumer
             guarded = isinstance(consumer, GuardedConsumer)

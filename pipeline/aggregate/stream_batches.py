@@ -45,14 +45,23 @@ class ChannelBatches:
         self._queue = channel.queue  # the queue Faust's conductor fills for the agent's stream
         self._max = max(1, max_)
         self._within = within
+        self._ended = False
 
-    async def take(self) -> list[Any]:
-        """The next batch: at least one event, at most ``max_``, each tracked as in flight."""
-        while True:
-            raw = await self._gather()
+    async def take(self) -> list[Any] | None:
+        """The next batch: at least one event, at most ``max_``, each tracked as in flight.
+
+        None once the channel ended (Faust throws ``StopAsyncIteration`` into it when it stops): the
+        agent returns, as it would at the end of its stream's ``async for``.
+        """
+        while not self._ended:
+            try:
+                raw = await self._gather()
+            except StopAsyncIteration:
+                return None
             batch = self._admit(raw)
             if batch:
                 return batch
+        return None
 
     async def _gather(self) -> list[Any]:
         queue = self._queue
@@ -72,8 +81,13 @@ class ChannelBatches:
                 # committed past (``GuardedConsumer.ack`` books it unprocessed).
                 self.acknowledge(raw)
                 raise
-        while len(raw) < self._max and not queue.empty():
-            raw.append(queue.get_nowait())
+        try:
+            while len(raw) < self._max and not queue.empty():
+                raw.append(queue.get_nowait())
+        except StopAsyncIteration:
+            if not raw:
+                raise
+            self._ended = True  # behind these events: they are the agent's, the next take ends
         return raw
 
     def _admit(self, raw: list[Any]) -> list[Any]:

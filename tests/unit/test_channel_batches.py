@@ -98,3 +98,18 @@ async def test_an_acknowledged_batch_counts_only_once_the_agent_finished_it(app:
     assert not any(e.message in consumer.unacked for e in batch)
     batches.acknowledge(batch)  # twice: booked once
     assert consumer.acked_offsets(TP(TOPIC, 0)) == [0, 1]
+
+
+async def test_the_batches_end_when_faust_ends_the_channel(app: Any) -> None:
+    # Faust throws StopAsyncIteration into an agent's channel when it stops: the agent returns, no crash.
+    event = _event(app, 0, 0)
+    channel = _queued(app, [event])
+    await channel.throw(StopAsyncIteration())
+    batches = ChannelBatches(app, channel, max_=10, within=0.001)
+    assert await batches.take() is None  # the end comes first, as in Faust's stream
+    assert not event.message.acked and event.message not in app.consumer.unacked  # never committed past
+    idle = ChannelBatches(app, _queued(app, []), max_=10, within=0.001)
+    taking = asyncio.ensure_future(idle.take())
+    await asyncio.sleep(0)
+    await idle._queue.throw(StopAsyncIteration())
+    assert await taking is None
