@@ -1,7 +1,8 @@
 """Aggregation agent: fault events (and ticks) -> per-node state in a Faust table -> incidents.
 
 Thin: the rules are ``pipeline.aggregate.aggregator.Aggregator``. The agent takes events in batches
-(``pipeline.aggregate.stream_batches.take_batches``: what arrived while it worked on the previous one),
+straight from its channel, without Faust's per-event stream (``pipeline.aggregate.stream_batches``: what
+arrived while it worked on the previous one),
 applies them node by node in offset order, sends the incidents, waits until the
 broker has them, and only then writes each touched node's state to the table (one changelog record
 per node per batch, not one per event; ``NodeStateTable.write``). The batch is acknowledged only
@@ -28,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.aggregate.aggregator import Aggregator
 from pipeline.aggregate.state import NodeState
-from pipeline.aggregate.stream_batches import take_batches
+from pipeline.aggregate.stream_batches import ChannelBatches
 from pipeline.aggregate.tickindex import TickIndex
 from pipeline.kafka.fetch_watchdog import GuardedConsumer
 from pipeline.runtime import metrics
@@ -65,29 +66,39 @@ def register(xapp: XidflowApp) -> None:
 
     @app.agent(channel, name=f"{settings.app_id}-aggregate")
     async def aggregate(stream: Any) -> None:
+        # The stream is never iterated: its channel's queue is read a batch at a time (``ChannelBatches``).
+        batches = ChannelBatches(app, stream.channel, settings.aggregate_batch, settings.aggregate_within_s)
         changelog: asyncio.Future[Any] | None = None  # the previous batch's, until the broker has it
-        async for events in take_batches(stream, settings.aggregate_batch, settings.aggregate_within_s):
+        while True:
+            events = await batches.take()
+            if events is None:
+                return  # the channel ended: Faust is stopping the agent
+            taken = events
             consumer = app.consumer
             guarded = isinstance(consumer, GuardedConsumer)
-            if guarded:
-                # After an unfinished batch its partitions wait for their re-read: nothing after
-                # an unfinished record is applied before it.
-                admitted = {id(m) for m in consumer.admit([event.message for event in events])}
-                events = [event for event in events if id(event.message) in admitted]
-            messages = [event.message for event in events]
             try:
-                changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog, due)
                 if guarded:
-                    # Acknowledged once the changelog has the states; the next batch need not wait.
-                    consumer.finishing(messages, changelog)
-                else:
-                    await changelog
-            except BaseException:
-                # take_batches acknowledges the batch even now (when its generator is closed): the
-                # consumer must neither commit past these records nor forget them.
-                if guarded:
-                    consumer.unprocessed(messages)
-                raise
+                    # After an unfinished batch its partitions wait for their re-read: nothing after
+                    # an unfinished record is applied before it.
+                    admitted = {id(m) for m in consumer.admit([event.message for event in events])}
+                    events = [event for event in events if id(event.message) in admitted]
+                messages = [event.message for event in events]
+                try:
+                    changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog, due)
+                    if guarded:
+                        # Acknowledged once the changelog has the states; the next batch need not wait.
+                        consumer.finishing(messages, changelog)
+                    else:
+                        await changelog
+                except BaseException:
+                    # The batch is acknowledged even now (below): the consumer must neither commit
+                    # past these records nor forget them.
+                    if guarded:
+                        consumer.unprocessed(messages)
+                    raise
+            finally:
+                # What ``finishing`` holds is counted once the changelog has it; the rest is booked now.
+                batches.acknowledge(taken)
 
     @app.timer(interval=settings.tick_interval_s)
     async def request_ticks() -> None:

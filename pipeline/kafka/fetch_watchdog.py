@@ -12,8 +12,10 @@ Faust (faust-streaming 0.15) can lose a record between the fetch and the agent w
   them on a partition without a commit, are committed past, and a restart never reads them again.
 - A record whose delivery was cut by the flow suspension is counted as read (seen: the record at
   the committed offset dropped right after a restart, the ones after it processed).
-- Once ``take_events`` (or ``take_batches``) ends (the agent stopping), the stream acknowledges what it still pulls
-  without the agent seeing it, and the final commit passes those records.
+- Once ``take_events`` ends (the agent stopping), the stream acknowledges what it still pulls
+  without the agent seeing it, and the final commit passes those records (the aggregation reads
+  its channel without a stream, ``pipeline.aggregate.stream_batches``, but acknowledges a batch it
+  failed on, and skips stale events by acknowledging them, as the stream does).
 - A seek does not recall the records Faust already took from aiokafka: the rest of that batch is
   still handed out after the seek. The first such record moves Faust's read offset ahead of the
   seek target and is booked as a "gap" between them; the re-read records below it are then dropped
@@ -335,8 +337,8 @@ class GuardedConsumer(upstream.FaustConsumer):
         durable.add_done_callback(settle)
 
     def ack(self, message: Any) -> bool:
-        # Faust acknowledges source records it never handed to the agent's code in some paths (a
-        # stream iterated after take_batches ended, at shutdown): only finished records count.
+        # Source records are acknowledged without the agent's code finishing them in some paths (a
+        # stale event skipped, a batch the agent failed on, a stream at shutdown): only finished records count.
         if message.tp.topic in self.source_topics and not message.acked:
             key = (message.tp, message.offset)
             if self._finishing[key] > 0:  # its effects are on their way (``finishing``): counted then
@@ -355,8 +357,8 @@ class GuardedConsumer(upstream.FaustConsumer):
     def unprocessed(self, messages: Iterable[Any]) -> None:
         """``messages`` were delivered but their effects are not durable: read them again.
 
-        Each is marked acknowledged without counting as such, so no later ``ack`` (Faust's
-        ``take_batches`` acknowledges a batch even when the agent failed on it) lets a commit pass
+        Each is marked acknowledged without counting as such, so no later ``ack`` (the
+        aggregation's batches are acknowledged even when the agent failed on them) lets a commit pass
         it. Its partition is fenced at its offset: ``admit`` turns away the partition's later
         records until the re-read (from the committed offset, by the watchdog) reaches the fence,
         so nothing after it is applied before it.

@@ -1,8 +1,8 @@
 """The one seam to Faust's and aiokafka's private internals: every private name xidflow touches is here.
 
 The exactly-once guarantees of the aggregation (``pipeline.kafka.fetch_watchdog``), the handling of record
-batches nobody can decode (``pipeline.kafka.undecodable``), static-member group handling
-(``pipeline.kafka.membership``) and the aggregation's batching (``pipeline.aggregate.stream_batches``) lean on
+batches nobody can decode (``pipeline.kafka.undecodable``) and static-member group handling
+(``pipeline.kafka.membership``) lean on
 behaviour that faust-streaming and aiokafka do not publish. Everywhere else in xidflow calls the
 names below, never a private attribute of theirs, so an upstream change meets one module.
 
@@ -31,14 +31,12 @@ What is used, by whom:
   (``deliver_bare_records``: the parse stage reads aiokafka's decoded records without a
   ``ConsumerRecord`` built per record).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
-- Faust's ``Stream``: ``_active_agens``, ``_enable_passive`` and ``_processors`` (a batch generator
-  that keeps filling while the agent works).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import AsyncGenerator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -160,25 +158,6 @@ class PromptTableManager(TableManager):
         if not self.should_stop:
             await self._update_channels()
             await self.recovery.start()
-
-
-# -- Faust's stream ------------------------------------------------------------------------------
-
-
-def attach_generator(stream: Any, generator: AsyncGenerator[Any, None]) -> None:
-    """Let ``stream`` close ``generator`` when it stops, as it does its own ``take_events`` generators."""
-    active = getattr(stream, "_active_agens", None)
-    if active is not None:
-        active.add(generator)
-
-
-def drain_in_background(stream: Any) -> None:
-    """Make ``stream`` pull its channel and run its processors on every event without a reader."""
-    stream._enable_passive(stream.channel.__aiter__())
-
-
-def remove_processor(stream: Any, processor: Callable[..., Any]) -> None:
-    stream._processors.remove(processor)
 
 
 # -- aiokafka's clients --------------------------------------------------------------------------

@@ -4,8 +4,9 @@ patches: one test each, so that an upgrade fails here, for the right reason, bef
 Every one of them is used in ``pipeline/kafka/upstream.py`` alone (the seam): Faust's consumer hooks and bookkeeping
 (for ``pipeline/kafka/fetch_watchdog.py``'s guarantees and two reads in ``pipeline/app.py``), aiokafka's record
 iterator (where ``pipeline/kafka/undecodable.py``'s bad batch is), the coordinator's static identity and
-DescribeGroups v4 (``pipeline/kafka/membership.py``), Faust's stream (``pipeline/aggregate/stream_batches.py``) and the
-clients' metadata refresh. ``test_no_private_upstream_name_outside_the_seam`` keeps it that way.
+DescribeGroups v4 (``pipeline/kafka/membership.py``) and the clients' metadata refresh; and the public stream
+rules ``pipeline/aggregate/stream_batches.py`` repeats without a stream.
+``test_no_private_upstream_name_outside_the_seam`` keeps it that way.
 pyproject.toml holds these packages to one minor release; "Upgrading dependencies" (docs/dependencies.md)
 says what to do when a test here fails. Each failure message names the upstream change and who relied on it.
 
@@ -301,16 +302,23 @@ async def test_faust_ack_books_a_message_once_and_forgets_it_as_in_flight(
     assert faust_aiokafka.Consumer.ack(c, message) is False
 
 
-def test_take_events_acknowledges_a_batch_even_when_the_agent_failed_on_it() -> None:
-    # The batch is acknowledged in a `finally:` after the `yield`: an agent that raised still acks it.
-    # agents/aggregate.py reports finished/unprocessed records to GuardedConsumer for that reason.
-    source = inspect.getsource(Stream.take_events)
-    after_yield = source[source.index("yield list(events)"):]
-    assert "finally:" in after_yield and "await self.ack(event)" in after_yield, (
-        f"{FAUST} changed Stream.take_events' acknowledgement of a yielded batch: re-check "
-        "GuardedConsumer.ack/finished/unprocessed and agents/aggregate.py")
-    assert "self.enable_acks = stream_enable_acks" in source, (
-        f"{FAUST} no longer restores the stream's acks when take_events ends: re-check GuardedConsumer.ack")
+def test_the_stream_rules_the_aggregation_batches_keep_are_still_faust_s() -> None:
+    # pipeline/aggregate/stream_batches.py takes the agent's events from its channel's queue without a
+    # stream, and applies per event what Faust's stream does: an event of an older consumer generation or
+    # taken while the flow is suspended is skipped and acknowledged; an event of an acking topic is tracked
+    # once as in flight (what a rebalance waits for); an event is acknowledged through ``Event.ack``.
+    source = inspect.getsource(Stream._py_aiter)
+    for rule in ("not self.app.flow_control.is_active()",
+                 "message.generation_id != self.app.consumer_generation_id",
+                 "if topic in acking_topics and not message.tracked:",
+                 "add_unacked(message)",
+                 "event.ack()"):
+        assert rule in source, (
+            f"{FAUST} changed how a stream skips, tracks or acknowledges an event ({rule!r} is gone from "
+            "Stream._py_aiter): re-check ChannelBatches in pipeline/aggregate/stream_batches.py")
+    track = inspect.getsource(faust_consumer_base.Consumer.track_message)
+    assert "self._unacked_messages.add(message)" in track, (
+        f"{FAUST} changed Consumer.track_message: ChannelBatches tracks its events with it")
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -15,10 +15,9 @@ SEAM = ROOT / "pipeline" / "kafka" / "upstream.py"
 
 # Faust's ``Consumer._thread`` is used too, but the name is too common to search for (our own watches have one).
 UPSTREAM_PRIVATE = frozenset({
-    # Faust's consumer, its thread and its stream
+    # Faust's consumer, its thread and its table manager
     "_getmany", "_add_gap", "_new_offset", "_new_consumer_thread", "_create_worker_consumer", "_ensure_consumer",
-    "_committed_offset", "_acked", "_read_offset", "_unacked_messages", "_paused_partitions",
-    "_active_agens", "_enable_passive", "_processors", "_update_channels",
+    "_committed_offset", "_acked", "_read_offset", "_unacked_messages", "_paused_partitions", "_update_channels",
     # aiokafka's consumer, coordinator, admin client and record iterator
     "_fetch_max_wait_ms", "_subscription", "_client", "_coordinator", "_group_instance_id", "_send_request",
     "_unpack_records",
