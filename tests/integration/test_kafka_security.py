@@ -30,6 +30,7 @@ from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
+from pipeline.localinfra.loki import LokiServer, push_lines
 from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import RemediationRecord
 
@@ -333,21 +334,7 @@ def test_oauthbearer_an_expired_token_is_refused_by_the_broker(oauth_cluster: Ka
 
 
 # -- The Loki bridge on the secured broker ---------------------------------------------------
-@pytest.fixture(scope="module")
-def loki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    from pipeline.localinfra.loki import LokiServer
-
-    server = LokiServer(tmp_path_factory.mktemp("loki"), log=lambda m: print(f"[loki] {m}", flush=True))
-    try:
-        server.start(timeout=180)
-    except Exception as exc:  # noqa: BLE001 - fail loudly with the cause
-        server.stop()
-        pytest.fail(f"Loki could not be built or started: {exc}", pytrace=False)
-    yield server
-    server.stop()
-
-
-def _loki_tail(secured: KafkaCluster, loki: Any, user: str, run: str, start_ns: int, log: Path) -> subprocess.Popen:
+def _loki_tail(secured: KafkaCluster, loki: LokiServer, user: str, run: str, start_ns: int, log: Path) -> subprocess.Popen:
     """`xidflow loki-tail` as the chart runs it: credentials of ``user`` from the environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "XIDFLOW_", "LOKI_"))}
     env = {**base, **secured.client_env(user), "LOKI_URL": loki.url, "LOKI_ORG_ID": "xidflow"}
@@ -359,12 +346,11 @@ def _loki_tail(secured: KafkaCluster, loki: Any, user: str, run: str, start_ns: 
 
 @pytest.mark.parametrize("user", ["xidflow-loki-tail", "xidflow-shipper"])
 def test_loki_tail_restarted_on_the_secured_broker_goes_on_shipping(
-    secured: KafkaCluster, loki: Any, tmp_path: Path, user: str
+    secured: KafkaCluster, loki: LokiServer, tmp_path: Path, user: str
 ) -> None:
     """A restarted bridge scans its topic for where it was. Its own principal may (nothing re-sent, its
     dead letters written); the Fluent Bit principal may only write, and the bridge must still ship then
     (it starts from ``--start-ns`` and says why), never exit at every start."""
-    from pipeline.localinfra.loki import push_lines
 
     run, log = uuid.uuid4().hex[:8], tmp_path / "loki-tail.log"
     node = f"n-{run}"
