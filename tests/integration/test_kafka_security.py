@@ -334,7 +334,8 @@ def test_oauthbearer_an_expired_token_is_refused_by_the_broker(oauth_cluster: Ka
 
 
 # -- The Loki bridge on the secured broker ---------------------------------------------------
-def _loki_tail(secured: KafkaCluster, loki: LokiServer, user: str, run: str, start_ns: int, log: Path) -> subprocess.Popen:
+def _loki_tail(secured: KafkaCluster, loki: LokiServer, user: str, run: str, start_ns: int,
+               log: Path) -> subprocess.Popen:
     """`xidflow loki-tail` as the chart runs it: credentials of ``user`` from the environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "XIDFLOW_", "LOKI_"))}
     env = {**base, **secured.client_env(user), "LOKI_URL": loki.url, "LOKI_ORG_ID": "xidflow"}
