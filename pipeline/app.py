@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import tempfile
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import faust
@@ -256,6 +258,10 @@ def declare_app(
         settings.app_id,
         broker=brokers,
         store="memory://",
+        # Faust creates ``<datadir>/v1/tables`` at start even for the memory store; its default is
+        # relative to the working directory (a checkout, or a read-only image root). Nothing is kept
+        # there, so the system's temporary directory does (the chart mounts /tmp).
+        datadir=Path(tempfile.gettempdir()) / f"xidflow-worker-{settings.app_id}",
         topic_partitions=settings.partitions,
         topic_replication_factor=settings.replication_factor,
         table_standby_replicas=0,

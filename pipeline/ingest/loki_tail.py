@@ -418,6 +418,22 @@ class LokiTailBridge:
                      self.cursor.last_ts_ns)
         return found
 
+    async def resume_or_start_over(self) -> int:
+        """``resume_from_kafka``, or, when the broker refuses this principal Read on the topic, the first
+        start's position: a bridge that cannot find where it was still ships (Loki may send again what
+        was produced before), it does not exit at every start."""
+        from aiokafka.errors import TopicAuthorizationFailedError
+
+        try:
+            return await self.resume_from_kafka()
+        except TopicAuthorizationFailedError as exc:
+            log.error(
+                "loki-tail may not read %s to find where it stopped (%s); starting from start=%s instead, so "
+                "entries produced before this start may be sent again. Give this principal Read on the topic "
+                "(the xidflow-loki-tail user of deploy/strimzi/users.yaml has it) or start with --resume-scan 0",
+                self.topic, exc, self.first_start_ns)
+            return 0
+
     @staticmethod
     async def _give_up(consumer: Any, pending: set[Any], ends: dict[Any, int], exc: BaseException) -> None:
         where = ", ".join(f"{tp.topic}[{tp.partition}] at offset {await consumer.position(tp)} of {ends[tp]}"
@@ -457,7 +473,7 @@ class LokiTailBridge:
         """Tail until ``stop`` is set, reconnecting with backoff; returns the counters."""
         stop = stop or asyncio.Event()
         if self.cursor.last_ts_ns is None and self.resume_scan > 0:
-            await self.resume_from_kafka()
+            await self.resume_or_start_over()
         producer = kafka_clients.producer(
             bootstrap=self.bootstrap_servers,
             acks="all",

@@ -2,7 +2,8 @@
 
 One principal per component, each with the least it needs:
 
-- ``shipper`` (Fluent Bit, the Loki bridge) writes the raw log topics, nothing else;
+- ``shipper`` (Fluent Bit, rsyslog, any node shipper) writes the raw log topics, nothing else;
+- ``loki-tail`` (the Loki bridge) also reads them back (its resume scan) and writes its dead letters;
 - ``probe`` writes health-check results;
 - ``worker`` reads the raw topics, writes fault events, incidents and dead letters, and owns its
   internal topics (``<app id>-*``: ticks, table changelog, Faust's assignor topic) and groups;
@@ -61,8 +62,14 @@ def principals(topics: TopicNames | None = None, app_id: str = "xidflow",
     rw = ("Write", "Describe")
     ro = ("Read", "Describe")
     table = [
-        Principal("shipper", "shipper", "Fluent Bit and the Loki bridge: write raw log lines",
+        Principal("shipper", "shipper", "Fluent Bit and other node shippers: write raw log lines",
                   tuple(_topics([n("logs_kernel"), n("logs_pods")], *rw))),
+        # One central process that already sees every line through Loki: reading them back costs no
+        # secrecy, and a restarted bridge finds where it was by scanning its own records on the topic.
+        Principal("loki-tail", "loki-tail", "The Loki bridge: write raw log lines, read them back to resume, "
+                  "write its dead letters", tuple(
+                      _topics([n("logs_kernel"), n("logs_pods")], "Read", "Write", "Describe")
+                      + _topics([n("deadletter")], *rw))),
         Principal("probe", "probe", "Node health probe: write health-check results",
                   tuple(_topics([n("health_checks")], *rw))),
         Principal("worker", "worker", "Parse + aggregation worker (Faust)", tuple(

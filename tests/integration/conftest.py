@@ -13,6 +13,7 @@ from pipeline.actuator.app import actuator_topics
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
+from pipeline.localinfra.loki import LokiServer
 from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
 from pipeline.runtime.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
@@ -72,3 +73,16 @@ def secured(tmp_path_factory: pytest.TempPathFactory) -> Iterator[KafkaCluster]:
         pytest.fail(f"secured Kafka could not start: {exc}", pytrace=False)
     yield cluster
     cluster.stop()
+
+
+@pytest.fixture(scope="module")
+def loki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LokiServer]:
+    """A real single-binary Loki (built once from Go modules, cached); never skipped."""
+    server = LokiServer(tmp_path_factory.mktemp("loki"), log=lambda m: print(f"[loki] {m}", flush=True))
+    try:
+        server.start(timeout=180)
+    except Exception as exc:  # noqa: BLE001 - fail loudly with the cause
+        server.stop()
+        pytest.fail(f"Loki could not be built or started: {exc}", pytrace=False)
+    yield server
+    server.stop()

@@ -30,6 +30,7 @@ from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.localinfra.kafka import ADMIN_USER, KafkaCluster
+from pipeline.localinfra.loki import LokiServer, push_lines
 from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import RemediationRecord
 
@@ -330,3 +331,83 @@ def test_oauthbearer_an_expired_token_is_refused_by_the_broker(oauth_cluster: Ka
                             sasl_mechanism="OAUTHBEARER", sasl_oauth_token_file=token_file)
     with pytest.raises((KafkaError, OSError)):
         asyncio.run(asyncio.wait_for(produce(expired, "oauth-check", b"x", b"k"), 60))
+
+
+# -- The Loki bridge on the secured broker ---------------------------------------------------
+def _loki_tail(secured: KafkaCluster, loki: LokiServer, user: str, run: str, start_ns: int,
+               log: Path) -> subprocess.Popen:
+    """`xidflow loki-tail` as the chart runs it: credentials of ``user`` from the environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("KAFKA_", "XIDFLOW_", "LOKI_"))}
+    env = {**base, **secured.client_env(user), "LOKI_URL": loki.url, "LOKI_ORG_ID": "xidflow"}
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "pipeline.cli", "loki-tail", "--query", f'{{job="kmsg", run="{run}"}}',
+             "--start-ns", str(start_ns)], env=env, stdout=out, stderr=subprocess.STDOUT, cwd=REPO)
+
+
+@pytest.mark.parametrize("user", ["xidflow-loki-tail", "xidflow-shipper"])
+def test_loki_tail_restarted_on_the_secured_broker_goes_on_shipping(
+    secured: KafkaCluster, loki: LokiServer, tmp_path: Path, user: str
+) -> None:
+    """A restarted bridge scans its topic for where it was. Its own principal may (nothing re-sent, its
+    dead letters written); the Fluent Bit principal may only write, and the bridge must still ship then
+    (it starts from ``--start-ns`` and says why), never exit at every start."""
+
+    run, log = uuid.uuid4().hex[:8], tmp_path / "loki-tail.log"
+    node = f"n-{run}"
+    admin = secured.client_settings(ADMIN_USER)
+    start_ns = time.time_ns() - 10**9
+
+    def push(line: str, labels: dict[str, str] | None = None) -> None:
+        push_lines(loki.url, labels or {"job": "kmsg", "run": run, "node": node}, [(time.time_ns(), line)])
+
+    async def lines_of_run() -> list[str]:
+        out = []
+        for value in await read_all(admin, T.name("logs_kernel")):
+            for stream in orjson.loads(value).get("streams", []):  # the bridge writes Loki push bodies
+                if stream["stream"].get("run") == run:
+                    out += [line for _, line in stream["values"]]
+        return out
+
+    def wait_for(expected: int, proc: subprocess.Popen, what: str) -> list[str]:
+        deadline = time.monotonic() + 90
+        while time.monotonic() < deadline:
+            assert proc.poll() is None, f"loki-tail exited ({proc.returncode}) {what}:\n{log.read_text()[-3000:]}"
+            got = asyncio.run(lines_of_run())
+            if len(got) >= expected:
+                return got
+            time.sleep(1)
+        raise AssertionError(f"{what}: fewer than {expected} lines of run {run} on the topic\n"
+                             f"{log.read_text()[-3000:]}")
+
+    first = _loki_tail(secured, loki, user, run, start_ns, log)
+    try:
+        time.sleep(3)  # connected to Loki's tail
+        push(f"first line {run}")
+        wait_for(1, first, "before the restart")
+    finally:
+        first.kill()
+        first.wait(30)
+    push(f"second line {run}")
+    second = _loki_tail(secured, loki, user, run, start_ns, log)
+    try:
+        got = wait_for(2, second, "after the restart")
+        assert any("second line" in g for g in got), got
+        time.sleep(3)  # anything re-sent would be on the topic by now
+        got = asyncio.run(lines_of_run())
+        if user == "xidflow-loki-tail":
+            assert sorted(got) == sorted(set(got)) and len(got) == 2, f"re-sent after the resume scan: {got}"
+            assert "resuming tail" in log.read_text()
+            push("a line of a stream with no node label", {"job": "kmsg", "run": run})
+            deadline = time.monotonic() + 60
+            while not any(run.encode() in v for v in asyncio.run(read_all(admin, T.name("deadletter")))):
+                assert time.monotonic() < deadline, f"no dead letter for the unlabelled line\n{log.read_text()[-3000:]}"
+                assert second.poll() is None, log.read_text()[-3000:]
+                time.sleep(1)
+        else:
+            text = log.read_text()
+            assert "may not read" in text and T.name("logs_kernel") in text, text[-3000:]
+        assert second.poll() is None, log.read_text()[-3000:]
+    finally:
+        second.terminate()
+        second.wait(30)

@@ -30,7 +30,7 @@ import sys
 import time
 import uuid
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from http import HTTPStatus
 from pathlib import Path
 from urllib.parse import parse_qs, urlsplit
@@ -344,19 +344,6 @@ async def test_bridge_fails_fast_when_loki_rejects_the_query(kafka_bootstrap: st
 # -- against a real Loki --------------------------------------------------------------------------------
 
 TENANT = "team-gpu"
-
-
-@pytest.fixture(scope="module")
-def loki(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LokiServer]:
-    """A real single-binary Loki (built once from Go modules, cached); never skipped."""
-    server = LokiServer(tmp_path_factory.mktemp("loki"), log=lambda m: print(f"[loki] {m}", flush=True))
-    try:
-        server.start(timeout=180)
-    except Exception as exc:  # noqa: BLE001 - fail loudly with the cause
-        server.stop()
-        pytest.fail(f"Loki could not be built or started: {exc}", pytrace=False)
-    yield server
-    server.stop()
 
 
 def push(loki: LokiServer, node: str, run: str, lines: list[tuple[int, str]], tenant: str = TENANT) -> None:

@@ -54,7 +54,6 @@ from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, p
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_fluent_bit_kernel import fluent_bit  # noqa: F401 - the module's fixture
-from tests.integration.test_loki_tail import loki  # noqa: F401 - the module's fixture
 from tests.integration.test_pipeline import PARTITIONS, REPO, Pipeline, Worker, wait_ready
 from tests.integration.test_rsyslog import Rsyslogd
 

@@ -286,7 +286,7 @@ def test_components_can_be_turned_off() -> None:
 
 # -- Kafka security (issue 12) ----------------------------------------------------------------------
 WORKLOADS = (("Deployment", "-worker", "xidflow-worker"), ("Deployment", "-actuator", "xidflow-actuator"),
-             ("DaemonSet", "-probe", "xidflow-probe"), ("Deployment", "-loki-tail", "xidflow-shipper"))
+             ("DaemonSet", "-probe", "xidflow-probe"), ("Deployment", "-loki-tail", "xidflow-loki-tail"))
 
 
 def test_plaintext_by_default_and_a_signing_key_for_the_actuator(default_docs: list[dict]) -> None:

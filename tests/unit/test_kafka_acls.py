@@ -46,6 +46,10 @@ def test_least_privilege_matrix() -> None:
     writers_of_requests = [p.user for p in principals(T) if requests in writes(p.user)]
     assert writers_of_requests == ["xidflow-api"]
     assert writes("xidflow-shipper") == {T.name("logs_kernel"), T.name("logs_pods")}
+    assert reads("xidflow-shipper") == set()  # a node's shipper cannot read the other nodes' lines
+    # The Loki bridge already sees every line through Loki; it reads its topic back to resume.
+    assert reads("xidflow-loki-tail") == {T.name("logs_kernel"), T.name("logs_pods")}
+    assert writes("xidflow-loki-tail") == {T.name("logs_kernel"), T.name("logs_pods"), T.name("deadletter")}
     assert writes("xidflow-probe") == {T.name("health_checks")}
     assert reads("xidflow-worker") == set(T.raw_inputs) | {T.name("fault_events"), "xidflow-"}
     signals = T.name("fabric_signals")  # the shared-part correlation's input: worker writes, actuator reads
