@@ -91,7 +91,9 @@ class Auditor:
     async def emit(self, record: RemediationRecord, tell: bool = True) -> None:
         """Publish durably; ``tell=False`` keeps it from the notifier (a record a person was already told of)."""
         assert self._producer is not None, "Auditor.start() first"
-        await self._producer.send_and_wait(self.topic, record.to_bytes(), key=record.node.encode())
+        # pydantic's own JSON writer: the same bytes as ``Record.to_bytes`` for these records, without the
+        # dict of Python objects that ``to_bytes`` builds for orjson first (a node's ~5 records add up in a burst).
+        await self._producer.send_and_wait(self.topic, record.model_dump_json().encode(), key=record.node.encode())
         metrics.REMEDIATIONS.labels(remediation_action(record.action), record.outcome.value).inc()
         log.info(
             "%s %s %s %s %s",

@@ -28,14 +28,15 @@ class Admission:
     """Not decided: the headroom left is held by other replicas' reservations (ask again shortly)."""
 
 
-def quarantined_by_xidflow(node: Mapping[str, Any]) -> bool:
+def quarantined_by_xidflow(node: Mapping[str, Any], ledger: Ledger | None = None) -> bool:
     """Whether xidflow's own cordon or taint is on this Node now (its ledger owns it and it is in place).
 
     A person's cordon is not xidflow's quarantine, and neither is an idle warm-standby node, nor a
     shared-part taint (the part behind the node is blamed, not the node: ``pipeline.aggregate.sharedparts``).
     """
     meta, spec = node.get("metadata") or {}, node.get("spec") or {}
-    ledger = Ledger.from_annotations(meta.get("annotations"))
+    if ledger is None:  # else the caller parsed the node's ledger already
+        ledger = Ledger.from_annotations(meta.get("annotations"))
     if spec.get("unschedulable") and ledger.owners(CORDON):
         return True
     present = {taint_effect_key(str(t.get("key")), str(t.get("effect"))) for t in spec.get("taints") or []}

@@ -59,6 +59,7 @@ class FlowContext:
     on_durable: Callable[[], None] | None = None
     """Called once the flow is recorded on the node: its record may be committed from then on."""
     audits: list[asyncio.Future[None]] = field(default_factory=list)
+    _stored: dict[str, Any] | None = field(default=None, repr=False)
     last_group: bool = False
     """The group running now is the flow's last: a clean end is recorded in the same ledger write."""
 
@@ -72,9 +73,16 @@ class FlowContext:
 
     @property
     def stored(self) -> dict[str, Any] | None:
+        """What the ledger keeps of this flow (``plan.stored``): built once per run, not at every write (its
+        pydantic dumps of the record and every step were a visible share of a burst's profile). The ledger
+        only serialises it, never changes it, so one dict serves each write and its retries."""
         from pipeline.actuator.plan import stored
 
-        return stored(self.plan, self.record) if self.record is not None else None
+        if self.record is None:
+            return None
+        if self._stored is None:
+            self._stored = stored(self.plan, self.record)
+        return self._stored
 
     def wrote(self, view: NodeView | None) -> None:
         if view is None:

@@ -363,7 +363,7 @@ class Kube:
         return await self._call(self.fast.create_namespaced_event, namespace, body)
 
     async def list_pods_on_node(self, node: str) -> list[dict[str, Any]]:
-        page = await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+        page = await self._call(self.fast.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
         return page.get("items") or []
 
     async def get_pod(self, namespace: str, name: str) -> dict[str, Any]:
@@ -482,7 +482,7 @@ class Kube:
 
     async def list_pods_on_node_page(self, node: str) -> dict[str, Any]:
         """The node's pods as one list object (``items`` and ``metadata.resourceVersion``, where a watch starts)."""
-        return await self._call(self.core.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
+        return await self._call(self.fast.list_pod_for_all_namespaces, field_selector=f"spec.nodeName={node}")
 
     async def _watch(
         self, list_fn: Callable[..., Any], what: str, timeout_seconds: int, **kwargs: Any

@@ -3,10 +3,12 @@
 A profile of the 500-node burst put most of the actuator's CPU in the official client's call path: a
 thread hop per call (and the GIL handed back and forth with the loop), urllib3, and the generated code
 around it (parameter checks, a recursive walk of every body before ``json.dumps``). The calls a
-quarantine makes - read and patch a Node or its status, create an Event, read-modify-write the
-breaker's ConfigMap - go through this instead, with the same kubeconfig (TLS, client certificate,
-bearer token and its refresh hook) and the same outcome: a raw body on success, else the official
-client's ``ApiException`` (status, reason, body), so ``kube._map_error`` keeps mapping errors as it did.
+quarantine makes - read and patch a Node or its status, create an Event, list the node's pods (the
+workload notice: on the official client its thread hop, pydantic-checked arguments and urllib3 were the
+dearest call of a flow), read-modify-write the breaker's ConfigMap - go through this instead, with the
+same kubeconfig (TLS, client certificate, bearer token and its refresh hook) and the same outcome: a raw
+body on success, else the official client's ``ApiException`` (status, reason, body), so
+``kube._map_error`` keeps mapping errors as it did.
 
 Each method has the name of the official client method it stands in for, and is handed to
 ``Kube._call`` like one (a counter of calls by method name sees no difference). Anything with a proxy
@@ -143,6 +145,12 @@ class HttpCalls:
         self, namespace: str, body: Any, *, _request_timeout: tuple[float, float], **_: Any
     ) -> _Raw:
         return await self._request("POST", f"/api/v1/namespaces/{_q(namespace)}/events", body, limits=_request_timeout)
+
+    async def list_pod_for_all_namespaces(
+        self, *, field_selector: str, _request_timeout: tuple[float, float], **_: Any
+    ) -> _Raw:
+        return await self._request("GET", "/api/v1/pods", params={"fieldSelector": field_selector},
+                                   limits=_request_timeout)
 
     async def read_namespaced_config_map(
         self, name: str, namespace: str, *, _request_timeout: tuple[float, float], **_: Any

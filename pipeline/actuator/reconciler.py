@@ -34,7 +34,7 @@ from pipeline.actuator.breaker_rules import quarantined_by_xidflow
 from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.nodeview import NodeView
-from pipeline.actuator.ownership import CORDON
+from pipeline.actuator.ownership import CORDON, Ledger
 
 log = logging.getLogger("xidflow.actuator.reconciler")
 
@@ -44,9 +44,9 @@ def partition_of(node: str, partitions: int) -> int:
     return (murmur2(node.encode()) & 0x7FFFFFFF) % partitions
 
 
-def needs_attention(view: NodeView) -> bool:
-    """An open flow to drive, or a cordon of ours a person removed."""
-    ledger = view.ledger
+def needs_attention(view: NodeView, ledger: Ledger | None = None) -> bool:
+    """An open flow to drive, or a cordon of ours a person removed (``ledger``: the view's, already parsed)."""
+    ledger = ledger if ledger is not None else view.ledger
     if ledger.open_flows():
         return True
     return not view.unschedulable and bool(ledger.owners(CORDON))
@@ -203,7 +203,9 @@ class Reconciler:
     def _read(self, obj: dict[str, Any]) -> Seen:
         """A Node object as the reconciler indexes it. Pure (the watch's thread calls it)."""
         view = NodeView.from_object(obj)
-        return Seen(view, quarantined_by_xidflow(obj), needs_attention(view) or self.baseline.needed(view))
+        ledger = view.ledger  # parsed once for both questions (each event of both replicas paid it twice)
+        return Seen(view, quarantined_by_xidflow(obj, ledger),
+                    needs_attention(view, ledger) or self.baseline.needed(view))
 
     def _post(self, kind: str, seen: Seen | list[Seen]) -> None:
         if self._loop is not None and not self._loop.is_closed():

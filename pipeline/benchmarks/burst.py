@@ -147,6 +147,9 @@ async def run_scenario(
             out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
             progress(f"{prefix}: bare client", 1, 1)
+            progress(f"{prefix}: floor", 0, 1)
+            out.update(await floor(world, prefix, out.get(f"{prefix}_raw_ms")))
+            progress(f"{prefix}: floor", 1, 1)
         return out
     finally:
         if watch is not None:
@@ -158,7 +161,8 @@ async def run_scenario(
 
 
 def cpu_seconds(world: World) -> dict[str, tuple[int, float]]:
-    """Each running process of the world (and the bench itself) -> (pid, CPU seconds used so far)."""
+    """Each running process of the world, its infrastructure (``World.infra``) and the bench itself -> (pid,
+    CPU seconds used so far)."""
     out = {"bench": (os.getpid(), sum(os.times()[:2]))}
     for name, proc in world.procs.items():
         if proc.alive() and proc.proc is not None:
@@ -166,6 +170,10 @@ def cpu_seconds(world: World) -> dict[str, tuple[int, float]]:
             with contextlib.suppress(OSError):
                 pid = proc.work_pid()
                 out[name] = (pid, procstat.read(pid).cpu_s)
+    # The API server, etcd and Kafka: on two cores the CPU they get is what bounds the taints' time.
+    for name, pid in world.infra.items():
+        with contextlib.suppress(OSError):
+            out[name] = (pid, procstat.read(pid).cpu_s)
     return out
 
 
@@ -218,6 +226,20 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
     if p99_ms is not None:
         out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+async def floor(world: World, prefix: str, raw_ms: float | None) -> dict[str, Any]:
+    """The least any Kafka-based pipeline can do with the scenario's N lines here (``pipeline.benchmarks.burst_floor``),
+    right after the bare client and under the same conditions: the world's processes idle, the same
+    API server and broker, the bare client's concurrency. ``<prefix>_floor_*`` keys."""
+    from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.benchmarks.burst_floor import floor_baseline
+
+    others = {name: pid for name, (pid, _) in cpu_seconds(world).items() if name != "bench"}
+    return await floor_baseline(
+        world.bootstrap, world.kube, world.kubeconfig, world.tag, prefix, world.nodes, world.partitions,
+        ActuatorSettings().api_concurrency * world.actuators, raw_ms, others,
+    )
 
 
 async def incident_times(world: World, name: str = "incidents", limit_s: float = 30) -> dict[str, float]:

@@ -113,6 +113,8 @@ class World:
         (every group Stable) and ``steady_s`` (every node carries xidflow's own conditions)."""
         self.others: list[str] = []
         """Nodes a hook made in this world outside its fleet (deleted with it)."""
+        self.infra: dict[str, int] = {}
+        """The local infrastructure's processes (``infra_pids``: API server, etcd, Kafka), name -> pid."""
         self.steady: dict[str, ProcSample] = {}
         """Each actuator's memory and CPU read at the moment the fleet reached steady state."""
         self.kube = Kube.from_config(self.kubeconfig, 32)
@@ -168,6 +170,7 @@ class World:
         self.timings["members_s"] = round(time.monotonic() - start, 2)
         await self.wait_baseline()
         self.timings["steady_s"] = round(time.monotonic() - start, 2)
+        self.infra = infra_pids(self.kubeconfig)
         # The supervised child's figures (``Proc.work_pid``): the supervisor itself only waits.
         self.steady = {n: procstat.read(p.work_pid()) for n, p in self.procs.items()
                        if n.startswith("actuator") and p.proc is not None}
@@ -304,6 +307,24 @@ class World:
         with contextlib.suppress(Exception):
             await self.kube._call(self.kube.core.delete_namespace, self.namespace)
         await self.kube.aclose()
+
+
+def infra_pids(kubeconfig: str) -> dict[str, int]:
+    """The API server, etcd and Kafka of a bench run's local infrastructure (name -> pid).
+
+    Found by the run's directory in their command lines (the kubeconfig lies in it); an API server
+    started elsewhere gives nothing, and the figures then lack them."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(kubeconfig)))
+    out: dict[str, int] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                argv = f.read().split(b"\0")
+            if root.encode() in b" ".join(argv):
+                out.setdefault(os.path.basename(argv[0].decode(errors="replace")), int(entry))
+    return out
 
 
 class IncidentTail:

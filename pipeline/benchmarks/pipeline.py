@@ -29,6 +29,8 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
   The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
   and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.
+  Then its floor (``pipeline.benchmarks.burst_floor``): the same N lines through one plain consumer
+  process to the same bare client, ``burst_floor_p99_ms`` and ``burst_floor_vs_raw_ratio``.
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
   and on a fleet of ``nodes``, with steady-state time, actuator memory and CPU, ``xidflow status``
   time and the breaker's count on each (``pipeline.benchmarks.scale``).

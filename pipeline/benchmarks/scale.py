@@ -71,7 +71,7 @@ from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, kmsg, summarize
-from pipeline.benchmarks.burst_world import IncidentTail, World
+from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids
 from pipeline.benchmarks.storm import raw_quarantine_rate
 from pipeline.kafka import clients as kafka_clients
 
@@ -114,24 +114,6 @@ def burst_order(pairs: int) -> list[str]:
 def _actuator_pids(world: World) -> dict[str, int]:
     # The supervised child does the work (and holds the memory): the supervisor itself only waits.
     return {n: p.work_pid() for n, p in world.procs.items() if n.startswith("actuator") and p.proc is not None}
-
-
-def infra_pids(kubeconfig: str) -> dict[str, int]:
-    """The API server, etcd and Kafka of a bench run's local infrastructure (name -> pid).
-
-    Found by the run's directory in their command lines (the kubeconfig lies in it); an API server
-    started elsewhere gives nothing, and the figures then lack them."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(kubeconfig)))
-    out: dict[str, int] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        with contextlib.suppress(OSError):
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                argv = f.read().split(b"\0")
-            if root.encode() in b" ".join(argv):
-                out.setdefault(os.path.basename(argv[0].decode(errors="replace")), int(entry))
-    return out
 
 
 def _cpu(busy: World, idle: World, infra: dict[str, int]) -> dict[str, tuple[int, float]]:

@@ -25,27 +25,34 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.runtime.settings import KafkaSettings, TopicNames
 
 
-async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
-    """Nodes/s a bare client quarantines: per node the read and the conditional write the actuator does.
+async def raw_quarantine(kube: Kube, name: str, taint_key: str) -> None:
+    """What a bare client does to quarantine one node: the read and the conditional write the actuator does.
 
     The write is the actuator's (``Engine._update_node``): one JSON merge patch with the node's
-    resourceVersion, cordon, taint and a ledger-sized annotation; ``concurrency`` calls at once.
+    resourceVersion, cordon, taint and a ledger-sized annotation.
     """
+    node = await kube.get_node(name)
+    taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
+    body = {
+        "metadata": {
+            "resourceVersion": node["metadata"]["resourceVersion"],
+            "annotations": {"xidflow.bench/ledger": LEDGER},
+        },
+        "spec": {"unschedulable": True, "taints": taints},
+    }
+    await kube.patch_node(name, body)
+
+
+LEDGER = "x" * 400
+
+
+async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
+    """Nodes/s a bare client quarantines (``raw_quarantine`` per node), ``concurrency`` nodes at once."""
     sem = asyncio.Semaphore(concurrency)
-    ledger = "x" * 400
 
     async def one(name: str) -> None:
         async with sem:
-            node = await kube.get_node(name)
-            taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
-            body = {
-                "metadata": {
-                    "resourceVersion": node["metadata"]["resourceVersion"],
-                    "annotations": {"xidflow.bench/ledger": ledger},
-                },
-                "spec": {"unschedulable": True, "taints": taints},
-            }
-            await kube.patch_node(name, body)
+            await raw_quarantine(kube, name, taint_key)
 
     start = time.perf_counter()
     await asyncio.gather(*(one(n) for n in names))

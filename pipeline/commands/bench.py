@@ -150,6 +150,8 @@ def bench(
         ("burst: worker p99 (line -> incident, goal < 250 ms)", "burst_worker_p99_ms", "{:,.0f} ms"),
         ("burst: bare client, the same taints", "burst_raw_ms", "{:,.0f} ms"),
         ("burst p99 / bare client (goal <= 1.15)", "burst_vs_raw_ratio", "{:.2f}"),
+        ("burst floor: bare Kafka consumer -> bare client, p99", "burst_floor_p99_ms", "{:,.0f} ms"),
+        ("burst floor p99 / bare client (the least any Kafka pipeline does)", "burst_floor_vs_raw_ratio", "{:.2f}"),
         ("failover, actuator child SIGKILLed: p99 (goal < 5000 ms)", "failover_actuator_p99_ms", "{:,.0f} ms"),
         ("failover, actuator: lines over 5 s", "failover_actuator_over_5s", "{}"),
         ("failover, actuator: kill to back in group", "failover_actuator_restart_s", "{:.1f} s"),

@@ -78,6 +78,15 @@ async def test_quarantine_calls_run_on_the_loop_with_the_clients_results_and_err
             await kube.create_event(namespace, {"metadata": {"name": f"{node}.test"},
                                                 "involvedObject": {"kind": "Pod", "name": "p", "namespace": namespace}})
 
+        pod = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "p", "namespace": namespace},
+               "spec": {"nodeName": node, "containers": [{"name": "c", "image": "busybox"}]}}
+        await kube._call(kube.core.create_namespaced_pod, namespace, pod)
+        threads.clear()  # the pod's creation went through the official client: not a quarantine call
+        assert [p["metadata"]["name"] for p in await kube.list_pods_on_node(node)] == ["p"]
+        assert await kube.list_pods_on_node(unique("empty")) == []
+        page = await kube.list_pods_on_node_page(node)  # where a checkpoint's pod watch starts
+        assert [p["metadata"]["name"] for p in page["items"]] == ["p"] and page["metadata"]["resourceVersion"]
+
         cm = await kube.create_configmap(namespace, {"metadata": {"name": "state"}, "data": {"k": "1"}})
         assert (await kube.get_configmap(namespace, "state"))["data"] == {"k": "1"}
         newer = await kube.replace_configmap(namespace, "state", {**cm, "data": {"k": "2"}})

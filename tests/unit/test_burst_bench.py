@@ -1,6 +1,7 @@
 """The burst bench's pure helpers."""
 
 from pipeline.benchmarks.burst import cpu_spent, stage_split
+from pipeline.benchmarks.burst_floor import floor_figures
 from pipeline.benchmarks.burst_watch import GroupSample, first_unsettled, takeover_split, unsettled_windows
 
 
@@ -78,3 +79,15 @@ def test_storm_calls_are_split_at_the_last_taint() -> None:
         "during": {"patch_node": 1.0, "replace_namespaced_config_map": 0.5},  # before the clock: not counted
         "after": {"patch_node_status": 0.5, "create_namespaced_event": 0.5},
     }
+
+
+def test_floor_figures_time_line_to_taint_against_the_bare_client_and_count_a_missing_taint() -> None:
+    sent = {f"n{i}": 10.0 for i in range(100)}
+    tainted = {f"n{i}": 10.0 + (i + 1) / 100 for i in range(99)}  # 10 ms .. 990 ms; n99 never tainted
+    out = floor_figures("burst", sent, tainted, {"floor": 0.5}, raw_ms=500.0)
+    assert out["burst_floor_samples"] == 99 and out["burst_floor_missing"] == 1
+    assert out["burst_floor_over_5s"] == 1  # a lost line is as slow as any
+    assert out["burst_floor_p99_ms"] == 980.0
+    assert out["burst_floor_vs_raw_ratio"] == 1.96  # 980 / 500
+    assert out["burst_floor_cpu_s"] == {"floor": 0.5}
+    assert "burst_floor_vs_raw_ratio" not in floor_figures("burst", sent, tainted, {}, raw_ms=None)
