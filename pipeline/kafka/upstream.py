@@ -31,12 +31,17 @@ What is used, by whom:
   (``deliver_bare_records``: the parse stage reads aiokafka's decoded records without a
   ``ConsumerRecord`` built per record).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
+- Faust's consumer delivers each record as ``wait_first(callback(message), suspend_flow.wait())``
+  (``Consumer._drain_messages``); ``FaustConsumer.wait_first`` (mode's public method) runs such a
+  callback's first step inline instead of in four tasks (``tests/unit/test_drain_delivery.py``).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import inspect
+import types
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -47,6 +52,7 @@ from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
 from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from mode.services import WaitResults
 
 from pipeline.kafka.undecodable import Failure, Reason
 
@@ -77,6 +83,39 @@ class FaustConsumer(faust_aiokafka.Consumer):
 
     def _new_consumer_thread(self) -> Any:
         return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def wait_first(self, *coros: Any, timeout: Any = None) -> Any:  # noqa: ASYNC109 - mode's signature
+        """mode's ``wait_first``, without its four tasks when the first coroutine finishes at once.
+
+        Faust's consumer delivers every fetched record as ``wait_first(callback(message),
+        suspend_flow.wait())`` (``Consumer._drain_messages``): a task for the callback, one for each of
+        the flow's, the service's stopped and crashed events, and ``asyncio.wait``: two loop turns and
+        four tasks per record, where the callback (the conductor putting the event on the agent's
+        queue) almost always finishes without waiting. In a burst that made the records trickle onto
+        the queue in between everything else the loop ran, so the agent took them a few at a time.
+
+        Here the callback's first step runs inline. Finished: the answer is the one ``wait_first``
+        would give (the callback among the winners; the other awaitables, not started, are closed).
+        Raised: raised, as ``wait_first`` does. Waiting (flow control suspended, a full queue, the
+        producer buffer): the rest of it goes to mode's ``wait_first`` with the same other awaitables,
+        so a rebalance (``suspend_flow``) or a stop still ends the wait as before. Any other call
+        (a timeout, a first argument that is not a coroutine, a stopped or crashed service) is mode's.
+        """
+        first = coros[0] if coros else None
+        if timeout is not None or not inspect.iscoroutine(first) or self.should_stop or self.crashed:
+            return await super().wait_first(*coros, timeout=timeout)
+        rest = coros[1:]
+        try:
+            yielded = first.send(None)
+        except StopIteration as done:
+            _close(rest)
+            return WaitResults([first], [done.value], False)
+        except BaseException:
+            _close(rest)
+            raise
+        resumed = _resume(first, yielded)
+        results = await super().wait_first(resumed, *rest)
+        return WaitResults([first if c is resumed else c for c in results.done], results.results, results.stopped)
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
         return await self.fetch_records(active_partitions, timeout)
@@ -127,6 +166,41 @@ class FaustConsumer(faust_aiokafka.Consumer):
         inner = self._thread._ensure_consumer()
         state = inner._subscription.subscription.assignment
         return set(inner.paused()), lambda tp: state.state_value(tp).position
+
+
+def _close(awaitables: Sequence[Any]) -> None:
+    """Close the coroutines among ``awaitables`` that will never be awaited (no "never awaited" warning)."""
+    for awaitable in awaitables:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+
+
+async def _resume(coro: Any, yielded: Any) -> Any:
+    """Await the rest of ``coro``, whose first step already ran and yielded ``yielded``."""
+    return await _continue(coro, yielded)
+
+
+@types.coroutine
+def _continue(coro: Any, yielded: Any) -> Generator[Any, Any, Any]:
+    # What ``await coro`` does after its first step: hand each yielded future to the task driving
+    # us, send back what it sends (None once the future is done) and throw in what it throws
+    # (cancellation), until ``coro`` returns.
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every throw belongs to ``coro``
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as done:
+                return done.value
+            continue
+        try:
+            yielded = coro.send(sent)
+        except StopIteration as done:
+            return done.value
 
 
 def read_offset(consumer: Any, tp: Any) -> int | None:
