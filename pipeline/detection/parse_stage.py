@@ -43,6 +43,7 @@ from pipeline.detection.parse_settings import ParseSettings
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka import undecodable, undecodable_fetch, upstream
 from pipeline.kafka.membership import leave_on_close
+from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime import metrics
 from pipeline.runtime.liveness import LIVENESS, Component
 from pipeline.runtime.settings import ConsumerGroupSettings, TopicNames
@@ -107,6 +108,7 @@ class ParseStage:
         self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
         self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
         self.undecodable = undecodable.Undecodable()
+        self.partitioner = KeyPartitioner()  # kept across restarts of run(): the fleet's node names, hashed once
 
     def stop(self) -> None:
         self._stopping.set()
@@ -139,6 +141,7 @@ class ParseStage:
             enable_idempotence=False,
             linger_ms=s.linger_ms,
             max_batch_size=s.max_batch_bytes,
+            partitioner=self.partitioner,
         )
         await producer.start()
         self.release_held()  # a new consumer: nothing is paused
