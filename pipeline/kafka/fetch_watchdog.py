@@ -227,6 +227,15 @@ class GuardedConsumer(upstream.FaustConsumer):
         self._finishing: Counter[tuple[Any, int]] = Counter()  # (tp, offset) whose effects are on their way
         self._held_acks: dict[tuple[Any, int], list[Any]] = {}  # their acknowledgements, until then
         self.seek_fence = SeekFence()
+        self._undelivered = 0  # source records of the fetch being handed out, not yet handed to Faust
+
+    def undelivered(self) -> int:
+        """Source records of the fetch Faust is handing to the agents' channels, not handed yet.
+
+        Faust hands a fetch out a record at a time, with a loop turn every 100 records: an agent
+        taking a batch meanwhile sees a queue still filling (``pipeline.aggregate.stream_batches``).
+        """
+        return self._undelivered
 
     async def fetch_records(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
         held = self._held_partitions()
@@ -246,6 +255,8 @@ class GuardedConsumer(upstream.FaustConsumer):
             # them already): handed out now, or never read.
             records = upstream.drained_before(exc)
         self.seek_fence.fetched()
+        source = self.source_topics
+        self._undelivered = sum(len(batch) for tp, batch in records.items() if tp.topic in source)
         return records
 
     def _held_partitions(self) -> set[Any]:
@@ -284,10 +295,16 @@ class GuardedConsumer(upstream.FaustConsumer):
         # Faust iterates one fetched batch while the watchdog (or a rebalance) may seek: what is
         # left of the batch for a sought partition must not reach Faust's read offset and gaps.
         fence = self.seek_fence
-        async for tp, message in super().getmany(timeout):
-            if tp.topic in self.source_topics and not fence.admit(tp, message.offset):
-                continue
-            yield tp, message
+        source = self.source_topics
+        try:
+            async for tp, message in super().getmany(timeout):
+                if tp.topic in source:
+                    self._undelivered -= 1
+                    if not fence.admit(tp, message.offset):
+                        continue
+                yield tp, message
+        finally:
+            self._undelivered = 0  # the rest of the fetch (if any) is dropped: read again after a seek
 
     async def seek(self, partition: Any, offset: int) -> None:
         await super().seek(partition, offset)
