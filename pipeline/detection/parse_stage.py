@@ -42,6 +42,7 @@ from pipeline.detection.parse_outputs import Output, OutputSender, StageCounters
 from pipeline.detection.parse_settings import ParseSettings
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka import undecodable, undecodable_fetch, upstream
+from pipeline.kafka.fetch_watchdog import IDLE_FETCH_MAX_WAIT_MS
 from pipeline.kafka.membership import leave_on_close
 from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime import metrics
@@ -150,6 +151,8 @@ class ParseStage:
             # Records as aiokafka decoded them, without the ConsumerRecord it builds for each: the stage
             # reads every record's value, the rest only of the few it decodes (ParseCore.process).
             upstream.deliver_bare_records(consumer)
+            # Idle, one fetch of every partition waits long on the broker instead of 20 short ones a second.
+            upstream.long_poll_when_idle(consumer, max(IDLE_FETCH_MAX_WAIT_MS, s.fetch_max_wait_ms))
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
             try:
                 while not self._stopping.is_set():
