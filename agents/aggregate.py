@@ -140,7 +140,9 @@ async def _apply_batch(
     now = time.time()
     new_states: list[tuple[bytes, bytes, int]] = []
     written: list[tuple[bytes, NodeState, int]] = []
-    for key, node_events in by_node.items():
+    for turn, (key, node_events) in enumerate(by_node.items(), 1):
+        if turn % _NODES_PER_TURN == 0:
+            await _let_others_run()
         stored: bytes | None = table.get(key)
         if stored is None:
             state = aggregator.new_state(key.decode("utf-8", "replace"))
@@ -188,6 +190,18 @@ async def _apply_batch(
         for key, state, partition in written:
             due.note(key, state, partition)
     return durable
+
+
+_NODES_PER_TURN = 64
+"""Nodes of a batch applied between two turns of the event loop (``_let_others_run``)."""
+
+
+async def _let_others_run() -> None:
+    """A few loop turns in the middle of a long batch: the producer sends what the batch produced so far
+    (its acknowledgements come back meanwhile), the parse stage's fault events go out and the next fetch
+    comes in, instead of all of it waiting for the end of the batch (hundreds of ms on a busy node)."""
+    for _ in range(3):
+        await asyncio.sleep(0)
 
 
 async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:

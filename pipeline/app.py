@@ -39,6 +39,7 @@ from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka import upstream
 from pipeline.kafka.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.kafka.membership import faust_consumer, leave_on_close
+from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
 
 log = logging.getLogger("xidflow.app")
@@ -270,6 +271,8 @@ def declare_app(
         # Incidents and changelog records: a full 16 KiB batch made the agent wait for acknowledgements
         # one round trip at a time in a burst (``pipeline.detection.parse_settings.PRODUCER_BATCH_BYTES``).
         producer_max_batch_size=PRODUCER_BATCH_BYTES,
+        # Kafka's default partitioning, each node name hashed once (incidents and fabric signals).
+        producer_partitioner=KeyPartitioner(),
         # Both groups of the worker (Faust's and the parse stage's) use the same membership settings.
         consumer_group_instance_id=group.instance_id or None,
         broker_session_timeout=group.session_timeout_s,

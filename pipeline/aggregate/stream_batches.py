@@ -5,7 +5,8 @@ channel the agent's stream was made from. A Faust ``Stream`` then takes them one
 (``sleep(0)``) per event, the sensors, the current-event bookkeeping, a processor call and an
 acknowledgement per event. In a 500-line burst that machinery, not the aggregation (55 us an event),
 was most of the worker's CPU. ``ChannelBatches`` reads the queue itself, a batch at a time: every event
-waiting there (up to ``max_``), else what arrives within ``within`` seconds of the first one. Events that
+waiting there (up to ``max_``), else what arrives within ``within`` seconds of the first one, and the rest
+of the fetch the consumer is still handing out (``GuardedConsumer.undelivered``). Events that
 arrive while the agent works on a batch wait on the queue and form the next one at once, so a burst
 becomes as few batches as the agent's own pace allows (as the earlier ``take_batches`` on the stream
 did, without its per-event cost).
@@ -35,6 +36,12 @@ from typing import Any
 
 _POLL_S = 0.005
 """How often the wait for more events (``within``) looks whether the batch is full already."""
+
+_FETCH_POLL_S = 0.001
+"""How often, past ``within``, the wait looks whether the fetch being handed out is all on the queue."""
+
+_MAX_WAIT_S = 1.0
+"""The longest a batch waits for the rest of a fetch still being handed out (a bound, never reached in practice)."""
 
 
 class ChannelBatches:
@@ -68,14 +75,18 @@ class ChannelBatches:
         raw: list[Any] = []
         if queue.empty():
             raw.append(await queue.get())  # idle: the first event opens the batch
-            deadline = time.monotonic() + self._within
+            start = time.monotonic()
+            deadline, limit = start + self._within, start + _MAX_WAIT_S
+            undelivered = getattr(self._app.consumer, "undelivered", None)
             try:
-                # Whatever comes with it (the rest of its fetch) joins it, up to ``within``.
+                # Whatever comes with it joins it, up to ``within``; and the rest of its fetch, which
+                # Faust hands out 100 records a loop turn: under load that outlasts ``within``, and the
+                # rest would wait a whole batch (a broker round trip) for the next one.
                 while queue.qsize() + 1 < self._max:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
+                    now = time.monotonic()
+                    if now >= limit or (now >= deadline and not (undelivered and undelivered())):
                         break
-                    await asyncio.sleep(min(left, _POLL_S))
+                    await asyncio.sleep(min(deadline - now, _POLL_S) if now < deadline else _FETCH_POLL_S)
             except BaseException:
                 # Cancelled (the agent stopping) with the event off the queue: handed back, never
                 # committed past (``GuardedConsumer.ack`` books it unprocessed).

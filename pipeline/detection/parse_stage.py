@@ -42,7 +42,9 @@ from pipeline.detection.parse_outputs import Output, OutputSender, StageCounters
 from pipeline.detection.parse_settings import ParseSettings
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka import undecodable, undecodable_fetch, upstream
+from pipeline.kafka.fetch_watchdog import IDLE_FETCH_MAX_WAIT_MS
 from pipeline.kafka.membership import leave_on_close
+from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime import metrics
 from pipeline.runtime.liveness import LIVENESS, Component
 from pipeline.runtime.settings import ConsumerGroupSettings, TopicNames
@@ -107,6 +109,7 @@ class ParseStage:
         self._committed: dict[TopicPartition, int] = {}  # last offset committed per partition
         self.live: Component = LIVENESS.component(f"parse:{group_id}", self.settings.stall_after_s)
         self.undecodable = undecodable.Undecodable()
+        self.partitioner = KeyPartitioner()  # kept across restarts of run(): the fleet's node names, hashed once
 
     def stop(self) -> None:
         self._stopping.set()
@@ -139,6 +142,7 @@ class ParseStage:
             enable_idempotence=False,
             linger_ms=s.linger_ms,
             max_batch_size=s.max_batch_bytes,
+            partitioner=self.partitioner,
         )
         await producer.start()
         self.release_held()  # a new consumer: nothing is paused
@@ -147,6 +151,8 @@ class ParseStage:
             # Records as aiokafka decoded them, without the ConsumerRecord it builds for each: the stage
             # reads every record's value, the rest only of the few it decodes (ParseCore.process).
             upstream.deliver_bare_records(consumer)
+            # Idle, one fetch of every partition waits long on the broker instead of 20 short ones a second.
+            upstream.long_poll_when_idle(consumer, max(IDLE_FETCH_MAX_WAIT_MS, s.fetch_max_wait_ms))
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
             try:
                 while not self._stopping.is_set():

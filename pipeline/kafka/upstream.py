@@ -20,6 +20,8 @@ What is used, by whom:
   ``_new_consumer_thread`` (overridden by ``FaustConsumer`` and handed on under public names), its
   bookkeeping ``_committed_offset``, ``_acked``, ``_read_offset``, ``_unacked_messages``,
   ``_paused_partitions`` and ``_thread``; its consumer thread's ``_create_worker_consumer``.
+- aiokafka's fetcher: ``_get_actions_per_node`` (where it plans each fetch, reading ``_fetch_max_wait_ms``
+  and ``_records`` each time; ``long_poll_when_idle``, ``tests/unit/test_idle_fetch.py``).
 - aiokafka's consumer: ``_fetch_max_wait_ms`` (Faust hard-codes 1,500 ms), ``_subscription`` (fetch
   positions), ``_client.force_metadata_update``, ``_coordinator._group_instance_id`` (leaving a
   group as a static member); the admin client's ``_send_request`` and the protocol classes of
@@ -31,12 +33,17 @@ What is used, by whom:
   (``deliver_bare_records``: the parse stage reads aiokafka's decoded records without a
   ``ConsumerRecord`` built per record).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
+- Faust's consumer delivers each record as ``wait_first(callback(message), suspend_flow.wait())``
+  (``Consumer._drain_messages``); ``FaustConsumer.wait_first`` (mode's public method) runs such a
+  callback's first step inline instead of in four tasks (``tests/unit/test_drain_delivery.py``).
 """
 
 from __future__ import annotations
 
 import collections
-from collections.abc import Callable, Sequence
+import inspect
+import types
+from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
 from typing import Any, Protocol
 
@@ -47,6 +54,7 @@ from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
 from faust.tables.manager import TableManager
 from faust.transport.drivers import aiokafka as faust_aiokafka
+from mode.services import WaitResults
 
 from pipeline.kafka.undecodable import Failure, Reason
 
@@ -58,12 +66,19 @@ AIOKAFKA_FETCH_MAX_WAIT_MS = 500
 
 
 class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """Faust's consumer thread, with the fetch wait its consumer asks for (``FaustConsumer.fetch_max_wait_ms``)."""
+    """Faust's consumer thread, with the fetch wait its consumer asks for (``FaustConsumer.fetch_max_wait_ms``)
+    while records flow, and ``FaustConsumer.idle_fetch_max_wait_ms`` while none do (``long_poll_when_idle``)."""
 
     def _create_worker_consumer(self, transport: Any) -> Any:
         consumer = super()._create_worker_consumer(transport)
         consumer._fetch_max_wait_ms = getattr(self.consumer, "fetch_max_wait_ms", AIOKAFKA_FETCH_MAX_WAIT_MS)
         return consumer
+
+    async def on_start(self) -> None:
+        await super().on_start()
+        idle_ms = getattr(self.consumer, "idle_fetch_max_wait_ms", None)
+        if idle_ms is not None:
+            long_poll_when_idle(self._consumer, idle_ms)
 
 
 class FaustConsumer(faust_aiokafka.Consumer):
@@ -74,9 +89,43 @@ class FaustConsumer(faust_aiokafka.Consumer):
     """
 
     fetch_max_wait_ms: int = AIOKAFKA_FETCH_MAX_WAIT_MS
+    idle_fetch_max_wait_ms: int | None = None  # None: fetch_max_wait_ms always
 
     def _new_consumer_thread(self) -> Any:
         return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+
+    async def wait_first(self, *coros: Any, timeout: Any = None) -> Any:  # noqa: ASYNC109 - mode's signature
+        """mode's ``wait_first``, without its four tasks when the first coroutine finishes at once.
+
+        Faust's consumer delivers every fetched record as ``wait_first(callback(message),
+        suspend_flow.wait())`` (``Consumer._drain_messages``): a task for the callback, one for each of
+        the flow's, the service's stopped and crashed events, and ``asyncio.wait``: two loop turns and
+        four tasks per record, where the callback (the conductor putting the event on the agent's
+        queue) almost always finishes without waiting. In a burst that made the records trickle onto
+        the queue in between everything else the loop ran, so the agent took them a few at a time.
+
+        Here the callback's first step runs inline. Finished: the answer is the one ``wait_first``
+        would give (the callback among the winners; the other awaitables, not started, are closed).
+        Raised: raised, as ``wait_first`` does. Waiting (flow control suspended, a full queue, the
+        producer buffer): the rest of it goes to mode's ``wait_first`` with the same other awaitables,
+        so a rebalance (``suspend_flow``) or a stop still ends the wait as before. Any other call
+        (a timeout, a first argument that is not a coroutine, a stopped or crashed service) is mode's.
+        """
+        first = coros[0] if coros else None
+        if timeout is not None or not inspect.iscoroutine(first) or self.should_stop or self.crashed:
+            return await super().wait_first(*coros, timeout=timeout)
+        rest = coros[1:]
+        try:
+            yielded = first.send(None)
+        except StopIteration as done:
+            _close(rest)
+            return WaitResults([first], [done.value], False)
+        except BaseException:
+            _close(rest)
+            raise
+        resumed = _resume(first, yielded)
+        results = await super().wait_first(resumed, *rest)
+        return WaitResults([first if c is resumed else c for c in results.done], results.results, results.stopped)
 
     async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
         return await self.fetch_records(active_partitions, timeout)
@@ -127,6 +176,41 @@ class FaustConsumer(faust_aiokafka.Consumer):
         inner = self._thread._ensure_consumer()
         state = inner._subscription.subscription.assignment
         return set(inner.paused()), lambda tp: state.state_value(tp).position
+
+
+def _close(awaitables: Sequence[Any]) -> None:
+    """Close the coroutines among ``awaitables`` that will never be awaited (no "never awaited" warning)."""
+    for awaitable in awaitables:
+        if inspect.iscoroutine(awaitable):
+            awaitable.close()
+
+
+async def _resume(coro: Any, yielded: Any) -> Any:
+    """Await the rest of ``coro``, whose first step already ran and yielded ``yielded``."""
+    return await _continue(coro, yielded)
+
+
+@types.coroutine
+def _continue(coro: Any, yielded: Any) -> Generator[Any, Any, Any]:
+    # What ``await coro`` does after its first step: hand each yielded future to the task driving
+    # us, send back what it sends (None once the future is done) and throw in what it throws
+    # (cancellation), until ``coro`` returns.
+    while True:
+        try:
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
+            raise
+        except BaseException as exc:  # noqa: BLE001 - every throw belongs to ``coro``
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as done:
+                return done.value
+            continue
+        try:
+            yielded = coro.send(sent)
+        except StopIteration as done:
+            return done.value
 
 
 def read_offset(consumer: Any, tp: Any) -> int | None:
@@ -307,6 +391,47 @@ def drained_before(exc: BaseException) -> dict[Any, list[Any]]:
             return {tp: list(records) for tp, records in drained.items() if records} if drained else {}
         tb = tb.tb_next
     return {}
+
+
+# -- a fetch that waits long only when nothing can be held back by it ------------------------------
+
+
+def fetch_covers_every_partition(buffered: Any, assignment: Any) -> bool:
+    """Whether a fetch planned now asks for every assigned partition: none has records buffered, is
+    paused or waits for its position. Pure (``buffered``: the fetcher's ``tp -> records`` buffer)."""
+    if buffered:
+        return False
+    for tp in assignment.tps:
+        state = assignment.state_value(tp)
+        if state.paused or not state.has_valid_position:
+            return False
+    return True
+
+
+def long_poll_when_idle(consumer: Any, idle_ms: int) -> None:
+    """Make a started consumer's fetches wait ``idle_ms`` on the broker when they cover every partition.
+
+    aiokafka keeps one fetch in flight per broker and leaves a partition whose records are still
+    buffered out of it: a partition drained while a long poll waits is fetched again only when that
+    poll returns, so a worker's consumers poll briefly (``fetch_max_wait_ms``, 50 ms). Idle, that short
+    poll is 20 fetches a second per consumer, 50-90 ms of CPU per idle second on the 2-core bench
+    node, taken from the actuators and the API server. A fetch that asks for every assigned partition
+    holds nothing back: the broker answers it as soon as any of them has a record. Such a fetch waits
+    ``idle_ms``; any other keeps the consumer's own wait. aiokafka reads the wait each time it plans
+    its fetches (``Fetcher._get_actions_per_node``), which is wrapped here.
+    """
+    fetcher = consumer._fetcher
+    if fetcher is None:
+        raise RuntimeError("long_poll_when_idle: the consumer is not started")
+    busy_ms = fetcher._fetch_max_wait_ms
+    plan = fetcher._get_actions_per_node
+
+    def plan_fetches(assignment: Any) -> Any:
+        idle = fetch_covers_every_partition(fetcher._records, assignment)
+        fetcher._fetch_max_wait_ms = idle_ms if idle else busy_ms
+        return plan(assignment)
+
+    fetcher._get_actions_per_node = plan_fetches
 
 
 # -- records without a ConsumerRecord each -------------------------------------------------------

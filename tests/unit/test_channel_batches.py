@@ -113,3 +113,39 @@ async def test_the_batches_end_when_faust_ends_the_channel(app: Any) -> None:
     await asyncio.sleep(0)
     await idle._queue.throw(StopAsyncIteration())
     assert await taking is None
+
+
+async def test_a_batch_waits_past_within_for_the_rest_of_a_fetch_being_handed_out(
+    app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Faust hands a fetch out 100 records a loop turn; on a busy worker the rest comes after ``within``.
+    channel = _queued(app, [])
+    events = [_event(app, 0, o) for o in range(4)]
+    left = {"n": len(events)}
+    monkeypatch.setattr(app.consumer, "undelivered", lambda: left["n"], raising=False)
+    batches = ChannelBatches(app, channel, max_=100, within=0.005)
+
+    async def hand_out() -> None:
+        for event in events:
+            left["n"] -= 1
+            channel.queue.put_nowait(event)
+            await asyncio.sleep(0.02)  # four times ``within`` between two records
+
+    handing = asyncio.ensure_future(hand_out())
+    assert await batches.take() == events
+    await handing
+
+
+async def test_a_batch_does_not_wait_past_within_once_the_fetch_is_handed_out(
+    app: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    channel = _queued(app, [])
+    first, late = _event(app, 0, 0), _event(app, 0, 1)
+    monkeypatch.setattr(app.consumer, "undelivered", lambda: 0, raising=False)
+    batches = ChannelBatches(app, channel, max_=100, within=0.005)
+    channel.queue.put_nowait(first)
+    taking = asyncio.ensure_future(batches.take())
+    await asyncio.sleep(0.05)
+    channel.queue.put_nowait(late)
+    assert await taking == [first]
+    assert await batches.take() == [late]

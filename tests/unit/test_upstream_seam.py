@@ -23,6 +23,8 @@ UPSTREAM_PRIVATE = frozenset({
     "_unpack_records",
     # aiokafka's fetcher, its buffer and record iterator (the parse stage's bare records)
     "_fetcher", "_records", "_partition_records", "_consumer_record", "_key_deserializer", "_value_deserializer",
+    # aiokafka's fetch planning (a long poll only when the fetch holds no partition back)
+    "_get_actions_per_node",
 })
 PRIVATE_MODULES = ("aiokafka.protocol", "aiokafka.coordinator", "aiokafka.consumer.fetcher", "faust.transport")
 
