@@ -36,6 +36,9 @@ def actuator(
     supervise: bool | None,
 ) -> None:
     """Consume incidents and rescue requests and remediate nodes (settings: XIDFLOW_ACTUATOR_*)."""
+    from pipeline.runtime.startmarks import mark
+
+    mark("command")
     from pydantic_settings import SettingsError
 
     from pipeline.actuator import fleetmetrics
@@ -92,6 +95,7 @@ def actuator(
         except ApiStartError as exc:
             raise click.ClickException(str(exc)) from None
     kubeconfig = resolve_kubeconfig(kubeconfig, None)  # no kubeconfig: a sentence, not a traceback
+    mark("settings")
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -99,6 +103,7 @@ def actuator(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         replica = Actuator(settings, kubeconfig=kubeconfig)
+        mark("built")
         serve_metrics(component="actuator", values=fleetmetrics.label_values(replica.webhook_names()))
         running = None
         if serve_api:
@@ -118,6 +123,7 @@ def actuator(
 
     def work() -> None:
         """The replica itself: the loop, the clients and their threads are made here, after the fork."""
+        mark("work")
         gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
             try:
@@ -126,13 +132,14 @@ def actuator(
                 raise click.ClickException(str(exc)) from None
 
     from pipeline.runtime import supervisor
-    supervisor.preload(ACTUATOR_MODULES)
-    raise SystemExit(supervisor.supervise(work, "actuator", supervise))
+    raise SystemExit(supervisor.supervise(work, "actuator", supervise, warm=ACTUATOR_MODULES))
 
 
 ACTUATOR_MODULES = (
-    # Imported by the replica only once it runs: loaded by the supervisor before the fork, so a
-    # replacement child does not pay for them (pipeline.runtime.supervisor).
+    # Imported by the replica only once it runs (some only at its first pod, job or policy call: the
+    # Kubernetes client's generated APIs are ~1.2 s of CPU): loaded by the supervisor once the first
+    # child is under way, so a replacement child does not pay for them, while a restarted process's
+    # first child does not wait for them before its partitions flow (pipeline.runtime.supervisor).
     "aiokafka",
     "kubernetes.client",
     "kubernetes.client.api.core_v1_api",  # with its ~300 model modules: half a second of an idle core

@@ -73,6 +73,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.runtime.startmarks import mark
+
 log = logging.getLogger("xidflow.supervisor")
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -97,6 +99,13 @@ class SupervisorSettings(BaseSettings):
     backoff_max_s: float = Field(default=30.0, ge=0, le=3600, description="Default 30. The longest such delay.")
     stable_after_s: float = Field(
         default=60.0, gt=0, description="Default 60. A child that lived this long resets the crash count."
+    )
+    warm_after_s: float = Field(
+        default=5.0, ge=0, le=600,
+        description="Default 5. Seconds after the first child starts before the supervisor imports the modules "
+        "a replacement child needs (so it starts warm): not before the first fork, where a restarted "
+        "process's imports would delay its partitions, nor while the first child is still starting and "
+        "needs the CPU. A child that dies sooner is replaced after the imports.",
     )
     give_up_after: int = Field(
         default=10, ge=1,
@@ -220,9 +229,11 @@ class Supervisor:
     """Forks ``work`` and replaces it when it dies unexpectedly (see the module docstring)."""
 
     def __init__(self, work: Callable[[], object], name: str, settings: SupervisorSettings,
-                 on_restart: Callable[[], None] = lambda: None) -> None:
+                 on_restart: Callable[[], None] = lambda: None, warm: Iterable[str] = ()) -> None:
         self.work, self.name, self.settings = work, name, settings
         self.on_restart = on_restart
+        self.warm: tuple[str, ...] | None = tuple(warm) or None
+        """Modules to import for the next child (``preload``) once the first one is under way; None: done."""
         self.crashes = CrashLoop.of(settings)
         self.child: int | None = None
         self.stopping: signal.Signals | None = None
@@ -245,6 +256,7 @@ class Supervisor:
             watch_r, watch_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # nothing buffered is written twice
+        mark("fork")
         pid = os.fork()
         if pid == 0:
             if watch_w is not None:
@@ -269,7 +281,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.child, self.stopping)
             log.info("%s supervisor: child pid %d started", self.name, self.child)
-            _, status = os.waitpid(self.child, 0)
+            status = self._wait(self.child, started)
             if watch_w is not None:
                 os.close(watch_w)
             lived = time.monotonic() - started
@@ -287,8 +299,31 @@ class Supervisor:
                 self.name, describe_status(status), lived, self.restarts, self.crashes.in_a_row, delay,
             )
             self.on_restart()
+            self._warm_up()  # a child that died before the supervisor warmed up: its replacement starts warm
             if not self._sleep(delay):
                 return exit_code(status)
+
+    def _wait(self, pid: int, started: float) -> int:
+        """``waitpid`` for the child; meanwhile, once it has lived ``warm_after_s``, the deferred imports."""
+        while self.warm is not None and self.stopping is None:
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                return status
+            left = started + self.settings.warm_after_s - time.monotonic()
+            if left <= 0:
+                self._warm_up()
+                break
+            time.sleep(min(left, 0.1))
+        return os.waitpid(pid, 0)[1]
+
+    def _warm_up(self) -> None:
+        """Import the modules a child needs once it runs, here, so every later child finds them loaded."""
+        if self.warm is None:
+            return
+        modules, self.warm = self.warm, None
+        preload(modules)
+        gc.collect()
+        gc.freeze()  # as before the first fork: the new objects stay shared with the children
 
     def _sleep(self, seconds: float) -> bool:
         """Wait the backoff; False when a stop was asked meanwhile (nothing to forward it to)."""
@@ -318,10 +353,13 @@ def _forkable() -> bool:
     return hasattr(os, "fork") and sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
 
 
-def supervise(work: Callable[[], object], name: str, enabled: bool | None = None) -> int:
+def supervise(work: Callable[[], object], name: str, enabled: bool | None = None, warm: Iterable[str] = ()) -> int:
     """Run ``work`` supervised (or in this process when disabled); the process's exit status.
 
-    ``enabled`` (a command-line flag) overrides ``XIDFLOW_SUPERVISOR_ENABLED``.
+    ``enabled`` (a command-line flag) overrides ``XIDFLOW_SUPERVISOR_ENABLED``. ``warm``: modules the
+    work imports once it runs, imported by the supervisor after the first child is under way
+    (``SupervisorSettings.warm_after_s``), so a replacement child does not pay for them while the first
+    child of a freshly started process does not wait for them either.
     """
     settings = SupervisorSettings()
     if enabled is not None:
@@ -330,4 +368,4 @@ def supervise(work: Callable[[], object], name: str, enabled: bool | None = None
         result = work()
         return result if isinstance(result, int) else 0
     from pipeline.runtime import metrics
-    return Supervisor(work, name, settings, on_restart=metrics.SUPERVISOR_RESTARTS.inc).run()
+    return Supervisor(work, name, settings, on_restart=metrics.SUPERVISOR_RESTARTS.inc, warm=warm).run()
