@@ -298,7 +298,8 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1, child:
         before = await world.member_ids(proc)
         victim = p.work_pid() if child else None
         timeline = world.logdir / f"{proc}-start.jsonl"
-        p.env[startmarks.ENV] = str(timeline)  # a restarted process's start, step by step (a forked child keeps the old env)
+        # A restarted process's start, step by step (a forked child keeps its supervisor's environment: none).
+        p.env[startmarks.ENV] = str(timeline)
         start, killed_at = time.monotonic(), time.time()
         if victim is not None and p.proc is not None and victim != p.proc.pid:
             os.kill(victim, signal.SIGKILL)
