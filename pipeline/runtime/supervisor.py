@@ -13,6 +13,14 @@ supervisor forks a new one at once: the imports are already in memory (shared co
 new child goes straight to connecting, and it joins with the same static instance id (the same
 environment), so the broker hands it the dead child's partitions back without a rebalance.
 
+Modules the work imports only once it runs can be handed to ``supervise(..., warm=...)`` instead of
+being imported before the first fork: the supervisor imports them once the first child has run
+``warm_after_s`` (or at once before replacing a child that died sooner). The first child of a
+restarted process (a container restart) then does not wait for imports that only a replacement
+needs; the actuator's first records need none of the Kubernetes client's generated API modules,
+~1.2 s of CPU (issue 22). The cost: until that warm-up the supervisor and its child hold their own
+copies of those modules (not shared copy-on-write), the memory of one import.
+
 Rules that keep it correct:
 
 - **Nothing that runs before the fork starts a thread or keeps an event loop**: a forked child gets
