@@ -158,14 +158,10 @@ def _faust_classes() -> dict[str, type]:
                 await self._update_channels()
                 await self.recovery.start()
 
-    classes: dict[str, type] = {"_ConsumerThread": _ConsumerThread, "FaustConsumer": FaustConsumer,
-                                "PromptTableManager": PromptTableManager}
-    for cls in classes.values():  # named as module-level classes (logs, reprs, the internals test's checks)
-        cls.__qualname__ = cls.__name__
-        for member in vars(cls).values():
-            if callable(member) and hasattr(member, "__qualname__"):
-                member.__qualname__ = f"{cls.__name__}.{member.__name__}"
-    return classes
+    # Their qualified names keep the function's prefix: mode's services key their tasks by the name the
+    # class had when it was made.
+    return {"_ConsumerThread": _ConsumerThread, "FaustConsumer": FaustConsumer,
+            "PromptTableManager": PromptTableManager}
 
 
 def read_offset(consumer: Any, tp: Any) -> int | None:
