@@ -132,22 +132,20 @@ def actuator(
                 raise click.ClickException(str(exc)) from None
 
     from pipeline.runtime import supervisor
-    raise SystemExit(supervisor.supervise(work, "actuator", supervise, warm=ACTUATOR_MODULES))
+    supervisor.preload(ACTUATOR_MODULES)
+    mark("preloaded")
+    raise SystemExit(supervisor.supervise(work, "actuator", supervise))
 
 
 ACTUATOR_MODULES = (
-    # Imported by the replica only once it runs (some only at its first pod, job or policy call: the
-    # Kubernetes client's generated APIs are ~1.2 s of CPU): loaded by the supervisor once the first
-    # child is under way, so a replacement child does not pay for them, while a restarted process's
-    # first child does not wait for them before its partitions flow (pipeline.runtime.supervisor).
+    # Imported by the replica only once it runs: loaded by the supervisor before the fork, so a
+    # replacement child does not pay for them (pipeline.runtime.supervisor). Not the Kubernetes client's
+    # generated API modules (CoreV1Api and the like: ~1.2 s of CPU building pydantic models): no child
+    # needs them before its first records (pipeline.actuator.kube builds them at first use, a drain's
+    # pod calls or a policy CRD), and importing them here delayed a restarted container's first child.
     "aiokafka",
     "kubernetes.client",
-    "kubernetes.client.api.core_v1_api",  # with its ~300 model modules: half a second of an idle core
-    "kubernetes.client.api.batch_v1_api",
-    "kubernetes.client.api.custom_objects_api",
-    "kubernetes.client.api.apiextensions_v1_api",
     "kubernetes.watch",
-    "pydantic.validate_call_decorator",
     "pipeline.actuator.notify",
     "pipeline.actuator.engine",
     "pipeline.actuator.effector",

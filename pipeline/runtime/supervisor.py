@@ -13,14 +13,6 @@ supervisor forks a new one at once: the imports are already in memory (shared co
 new child goes straight to connecting, and it joins with the same static instance id (the same
 environment), so the broker hands it the dead child's partitions back without a rebalance.
 
-Modules the work imports only once it runs can be handed to ``supervise(..., warm=...)`` instead of
-being imported before the first fork: the supervisor imports them once the first child has run
-``warm_after_s`` (or at once before replacing a child that died sooner). The first child of a
-restarted process (a container restart) then does not wait for imports that only a replacement
-needs; the actuator's first records need none of the Kubernetes client's generated API modules,
-~1.2 s of CPU (issue 22). The cost: until that warm-up the supervisor and its child hold their own
-copies of those modules (not shared copy-on-write), the memory of one import.
-
 Rules that keep it correct:
 
 - **Nothing that runs before the fork starts a thread or keeps an event loop**: a forked child gets
@@ -107,13 +99,6 @@ class SupervisorSettings(BaseSettings):
     backoff_max_s: float = Field(default=30.0, ge=0, le=3600, description="Default 30. The longest such delay.")
     stable_after_s: float = Field(
         default=60.0, gt=0, description="Default 60. A child that lived this long resets the crash count."
-    )
-    warm_after_s: float = Field(
-        default=5.0, ge=0, le=600,
-        description="Default 5. Seconds after the first child starts before the supervisor imports the modules "
-        "a replacement child needs (so it starts warm): not before the first fork, where a restarted "
-        "process's imports would delay its partitions, nor while the first child is still starting and "
-        "needs the CPU. A child that dies sooner is replaced after the imports.",
     )
     give_up_after: int = Field(
         default=10, ge=1,
@@ -237,11 +222,9 @@ class Supervisor:
     """Forks ``work`` and replaces it when it dies unexpectedly (see the module docstring)."""
 
     def __init__(self, work: Callable[[], object], name: str, settings: SupervisorSettings,
-                 on_restart: Callable[[], None] = lambda: None, warm: Iterable[str] = ()) -> None:
+                 on_restart: Callable[[], None] = lambda: None) -> None:
         self.work, self.name, self.settings = work, name, settings
         self.on_restart = on_restart
-        self.warm: tuple[str, ...] | None = tuple(warm) or None
-        """Modules to import for the next child (``preload``) once the first one is under way; None: done."""
         self.crashes = CrashLoop.of(settings)
         self.child: int | None = None
         self.stopping: signal.Signals | None = None
@@ -289,7 +272,7 @@ class Supervisor:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.child, self.stopping)
             log.info("%s supervisor: child pid %d started", self.name, self.child)
-            status = self._wait(self.child, started)
+            _, status = os.waitpid(self.child, 0)
             if watch_w is not None:
                 os.close(watch_w)
             lived = time.monotonic() - started
@@ -307,31 +290,8 @@ class Supervisor:
                 self.name, describe_status(status), lived, self.restarts, self.crashes.in_a_row, delay,
             )
             self.on_restart()
-            self._warm_up()  # a child that died before the supervisor warmed up: its replacement starts warm
             if not self._sleep(delay):
                 return exit_code(status)
-
-    def _wait(self, pid: int, started: float) -> int:
-        """``waitpid`` for the child; meanwhile, once it has lived ``warm_after_s``, the deferred imports."""
-        while self.warm is not None and self.stopping is None:
-            done, status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                return status
-            left = started + self.settings.warm_after_s - time.monotonic()
-            if left <= 0:
-                self._warm_up()
-                break
-            time.sleep(min(left, 0.1))
-        return os.waitpid(pid, 0)[1]
-
-    def _warm_up(self) -> None:
-        """Import the modules a child needs once it runs, here, so every later child finds them loaded."""
-        if self.warm is None:
-            return
-        modules, self.warm = self.warm, None
-        preload(modules)
-        gc.collect()
-        gc.freeze()  # as before the first fork: the new objects stay shared with the children
 
     def _sleep(self, seconds: float) -> bool:
         """Wait the backoff; False when a stop was asked meanwhile (nothing to forward it to)."""
@@ -361,13 +321,10 @@ def _forkable() -> bool:
     return hasattr(os, "fork") and sys.stdout is sys.__stdout__ and sys.stderr is sys.__stderr__
 
 
-def supervise(work: Callable[[], object], name: str, enabled: bool | None = None, warm: Iterable[str] = ()) -> int:
+def supervise(work: Callable[[], object], name: str, enabled: bool | None = None) -> int:
     """Run ``work`` supervised (or in this process when disabled); the process's exit status.
 
-    ``enabled`` (a command-line flag) overrides ``XIDFLOW_SUPERVISOR_ENABLED``. ``warm``: modules the
-    work imports once it runs, imported by the supervisor after the first child is under way
-    (``SupervisorSettings.warm_after_s``), so a replacement child does not pay for them while the first
-    child of a freshly started process does not wait for them either.
+    ``enabled`` (a command-line flag) overrides ``XIDFLOW_SUPERVISOR_ENABLED``.
     """
     settings = SupervisorSettings()
     if enabled is not None:
@@ -376,4 +333,4 @@ def supervise(work: Callable[[], object], name: str, enabled: bool | None = None
         result = work()
         return result if isinstance(result, int) else 0
     from pipeline.runtime import metrics
-    return Supervisor(work, name, settings, on_restart=metrics.SUPERVISOR_RESTARTS.inc, warm=warm).run()
+    return Supervisor(work, name, settings, on_restart=metrics.SUPERVISOR_RESTARTS.inc).run()

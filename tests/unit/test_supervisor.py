@@ -54,12 +54,7 @@ SCRIPT = textwrap.dedent(
     def work():
         marks.mkdir(exist_ok=True)
         n = len(list(marks.iterdir()))
-        note = marks.parent / "note"
-        note.write_text("warm" if "colorsys" in sys.modules else "cold")  # what the supervisor had imported
-        note.rename(marks / str(os.getpid()))
-        if sys.argv[2] == "warm" and n < 1:
-            time.sleep(0.5)  # past XIDFLOW_SUPERVISOR_WARM_AFTER_S: the supervisor imports meanwhile
-            os.kill(os.getpid(), signal.SIGKILL)
+        (marks / str(os.getpid())).touch()
         if sys.argv[2] == "crash" and n < 2:
             os.kill(os.getpid(), signal.SIGKILL)  # the first two children crash; the third lives until stopped
         if sys.argv[2] == "always":
@@ -68,7 +63,7 @@ SCRIPT = textwrap.dedent(
             os._exit(4)  # an exit the child chose (a sentence at start): not retried
         while True:
             time.sleep(0.05)
-    sys.exit(supervise(work, "test", warm=["colorsys"]))
+    sys.exit(supervise(work, "test"))
     """
 )
 
@@ -113,32 +108,6 @@ def test_crashed_children_are_replaced_and_sigterm_ends_the_last_one(tmp_path: P
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-
-
-def _warmth(marks: Path, pids: list[int]) -> list[str]:
-    return [(marks / str(pid)).read_text() for pid in pids]
-
-
-@linux
-def test_the_first_child_starts_before_the_warm_up_and_a_later_child_after_it(tmp_path: Path) -> None:
-    """The modules a child needs once running are imported by the supervisor only after the first fork
-    (a restarted process's first child must not wait for them), yet before any replacement is forked."""
-    proc, marks = _start(tmp_path, "warm", XIDFLOW_SUPERVISOR_WARM_AFTER_S="0.1")
-    try:
-        assert _warmth(marks, _children(marks, 2, proc)) == ["cold", "warm"]
-    finally:
-        proc.kill()
-        proc.wait()
-
-
-@linux
-def test_a_child_that_dies_before_the_warm_up_is_replaced_by_a_warm_one(tmp_path: Path) -> None:
-    proc, marks = _start(tmp_path, "crash", XIDFLOW_SUPERVISOR_WARM_AFTER_S="60")
-    try:
-        assert _warmth(marks, _children(marks, 3, proc)) == ["cold", "warm", "warm"]
-    finally:
-        proc.kill()
-        proc.wait()
 
 
 @linux
