@@ -65,6 +65,10 @@ def __getattr__(name: str) -> Any:
     of a restarted process (issue 22)."""
     if name in _FAUST_CLASSES:
         return _faust_classes()[name]
+    if name == "faust_aiokafka":  # Faust's aiokafka driver module, as it was imported here (tests patch it)
+        from faust.transport.drivers import aiokafka as faust_aiokafka
+
+        return faust_aiokafka
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
