@@ -247,6 +247,38 @@ def _abort(response: Any) -> None:
         response.close()
 
 
+class LazyApi:
+    """One of the official client's generated API objects, built (its module imported) at its first call.
+
+    ``api.read_namespaced_pod`` is a stand-in that builds the object when called, on the calling thread:
+    ``Kube._call`` and ``Kube._watch`` call it on a pool thread, so the import (~1 s of CPU for
+    ``CoreV1Api``) never holds the event loop, whose quarantines go on meanwhile (a restarted replica's
+    first drain). The stand-in has the method's name (``pipeline.benchmarks.storm`` counts calls by it).
+    """
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._api: Any = None
+        self._lock = threading.Lock()
+
+    def built(self) -> Any:
+        if self._api is None:
+            with self._lock:
+                if self._api is None:
+                    self._api = self._make()
+        return self._api
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self.built(), name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
+
+
 class Kube:
     """Async facade over the sync client: one method per call the actuator needs."""
 
@@ -274,24 +306,25 @@ class Kube:
         # a timeout surfaces as KubeUnavailable and the record is retried.
         self.request_timeout = request_timeout
 
-    # The generated API modules are built on first use: importing them builds hundreds of pydantic models
-    # (~1 s of CPU for ``core_v1_api`` alone), and a restarted actuator's first records need none of them
-    # (their calls go through ``http``). A process start paid that before its partitions flowed again.
+    # The generated API objects are built at their first call (``LazyApi``): importing their modules builds
+    # hundreds of pydantic models (~1 s of CPU for ``core_v1_api`` alone), and a restarted actuator's first
+    # records need none of them (their calls go through ``http``). A process start paid that before its
+    # partitions flowed again; a drain's first pod list now pays it on a call thread.
     @functools.cached_property
     def core(self) -> Any:
-        return client.CoreV1Api(self.api_client)
+        return LazyApi(lambda: client.CoreV1Api(self.api_client))
 
     @functools.cached_property
     def batch(self) -> Any:
-        return client.BatchV1Api(self.api_client)
+        return LazyApi(lambda: client.BatchV1Api(self.api_client))
 
     @functools.cached_property
     def custom(self) -> Any:
-        return client.CustomObjectsApi(self.api_client)
+        return LazyApi(lambda: client.CustomObjectsApi(self.api_client))
 
     @functools.cached_property
     def ext(self) -> Any:
-        return client.ApiextensionsV1Api(self.api_client)
+        return LazyApi(lambda: client.ApiextensionsV1Api(self.api_client))
 
     @property
     def fast(self) -> Any:
