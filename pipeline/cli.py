@@ -13,6 +13,10 @@ import sys
 
 import click
 
+from pipeline.runtime import startmarks
+
+startmarks.mark("cli")  # the interpreter is up and click imported
+
 SUBCOMMANDS: dict[str, tuple[str, str]] = {
     "local": ("pipeline.commands.local:local", "Start/stop the local Kafka broker and kube-apiserver."),
     "classify": ("pipeline.commands.classify:classify", "Classify kernel or pod log lines from a file."),

@@ -24,6 +24,7 @@ from pipeline.actuator.sharedparts import SharedParts
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.lag import LagMonitor
 from pipeline.runtime.settings import KafkaSettings, TopicNames
+from pipeline.runtime.startmarks import mark
 from schemas.records import FabricSignal, Outcome
 
 log = logging.getLogger("xidflow.actuator")
@@ -64,13 +65,13 @@ def load_notifier() -> Any | None:
 async def ensure_namespace(kube: Kube, namespace: str) -> None:
     """Create the actuator's namespace when missing (deployments create it; RBAC may forbid looking)."""
     try:
-        await kube._call(kube.core.read_namespace, namespace)
+        await kube._call(kube.fast.read_namespace, namespace)
     except Forbidden:
         return
     except NotFound:
         try:
             await kube._call(
-                kube.core.create_namespace, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
+                kube.fast.create_namespace, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}}
             )
         except AlreadyExists:
             pass
@@ -196,16 +197,20 @@ class Actuator:
     async def start(self, consume: bool = True) -> None:
         """Connect; ``consume=False`` readies only the engine (``self.engine.handle``), for tests and tools."""
         await ensure_namespace(self.kube, self.settings.namespace)
+        mark("namespace")
         if not self._given_policies:
             await self.policies.refresh()
             self.policies.start_watching()  # policy edits are in force within moments, not at a poll
+        mark("policies")
         await self.auditor.start()
+        mark("auditor")
         if self.notifier is not None and hasattr(self.notifier, "start"):
             await self.notifier.start()
         self._consuming = consume
         if consume:
             self.reconciler.start()
             await self.consumer.start()
+            mark("consumer")
             self.lag.start()
             self.gauges.start()
 

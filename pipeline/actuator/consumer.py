@@ -38,6 +38,7 @@ from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
 from pipeline.runtime.liveness import LIVENESS, Component
 from pipeline.runtime.settings import ConsumerGroupSettings
+from pipeline.runtime.startmarks import mark
 from schemas.records import (
     ACTUATOR_INPUT,
     DeadLetter,
@@ -198,7 +199,9 @@ class ActuatorConsumer:
         )
         self.producer = kafka_clients.producer(bootstrap=self.bootstrap_servers, acks="all", enable_idempotence=True)
         await self.producer.start()
+        mark("producer")
         await self.consumer.start()
+        mark("consumer_connected")
         self.consumer.subscribe(list(self.topics), listener=_Rebalance(self))
 
     async def stop(self) -> None:
@@ -234,6 +237,8 @@ class ActuatorConsumer:
                     await self._dispatch_all(upstream.drained_before(exc))
                     await self._undecodable(failure)
                     continue
+                if batches:
+                    mark("first_records")
                 await self._dispatch_all(batches)
         finally:
             committer.cancel()
@@ -351,6 +356,7 @@ class ActuatorConsumer:
                 raise
             durable()
             self.processed += 1
+            mark("first_handled")
 
     async def commit(self) -> None:
         async with self._commit_lock:
@@ -414,6 +420,7 @@ class _Rebalance(ConsumerRebalanceListener):
 
     async def on_partitions_assigned(self, assigned: list[TopicPartition]) -> None:
         owner = self.owner
+        mark("assigned")
         owner.release_held()
         if owner.on_assigned is None or owner.consumer is None:
             return

@@ -228,6 +228,10 @@ class PriorityLimiter:
             self._free += 1
 
 
+_CAMEL = {"label_selector": "labelSelector", "field_selector": "fieldSelector", "resource_version": "resourceVersion",
+          "allow_watch_bookmarks": "allowWatchBookmarks", "timeout_seconds": "timeoutSeconds"}
+"""The query parameters of ``Kube.open_nodes`` by their Python names, as the API server spells them."""
+
 _RESERVED_SLOTS = 1
 """Calls a Kube may make beyond its concurrency, for negative priority only (the breaker flushes one at a time)."""
 
@@ -241,6 +245,38 @@ def _abort(response: Any) -> None:
             sock.shutdown(socket.SHUT_RDWR)
     with contextlib.suppress(Exception):
         response.close()
+
+
+class LazyApi:
+    """One of the official client's generated API objects, built (its module imported) at its first call.
+
+    ``api.read_namespaced_pod`` is a stand-in that builds the object when called, on the calling thread:
+    ``Kube._call`` and ``Kube._watch`` call it on a pool thread, so the import (~1 s of CPU for
+    ``CoreV1Api``) never holds the event loop, whose quarantines go on meanwhile (a restarted replica's
+    first drain). The stand-in has the method's name (``pipeline.benchmarks.storm`` counts calls by it).
+    """
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._api: Any = None
+        self._lock = threading.Lock()
+
+    def built(self) -> Any:
+        if self._api is None:
+            with self._lock:
+                if self._api is None:
+                    self._api = self._make()
+        return self._api
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        if name.startswith("_"):
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            return getattr(self.built(), name)(*args, **kwargs)
+
+        call.__name__ = call.__qualname__ = name
+        return call
 
 
 class Kube:
@@ -257,16 +293,11 @@ class Kube:
         api_client.configuration.connection_pool_maxsize = max(concurrency, 4) + _RESERVED_SLOTS + 4
         # The pool was built with the old size when the client was made; rebuild it.
         api_client.rest_client = type(api_client.rest_client)(api_client.configuration)
-        self.core = client.CoreV1Api(api_client)
-        self.batch = client.BatchV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
-        self.ext = client.ApiextensionsV1Api(api_client)
+        # The official client's API objects (``core``, ``batch``, ``custom``, ``ext``) are built on first use.
         # The hot calls on the loop (the same kubeconfig); the official client where it covers more settings.
         self.http: HttpCalls | None = (
             HttpCalls(api_client, max(concurrency, 4) + _RESERVED_SLOTS) if HttpCalls.usable(api_client) else None
         )
-        self.fast: Any = self.http or self.core
-        """Where the hot calls go: ``http`` (same method names as ``core``), else ``core``."""
         self._limiter = PriorityLimiter(concurrency, reserve=_RESERVED_SLOTS)
         # A thread for every slot, the reserved one too: a reserved call queued behind busy threads
         # would wait just as long as one queued for a regular slot.
@@ -274,6 +305,31 @@ class Kube:
         # (connect, read) seconds: without it a stalled connection would hold a worker thread forever;
         # a timeout surfaces as KubeUnavailable and the record is retried.
         self.request_timeout = request_timeout
+
+    # The generated API objects are built at their first call (``LazyApi``): importing their modules builds
+    # hundreds of pydantic models (~1 s of CPU for ``core_v1_api`` alone), and a restarted actuator's first
+    # records need none of them (their calls go through ``http``). A process start paid that before its
+    # partitions flowed again; a drain's first pod list now pays it on a call thread.
+    @functools.cached_property
+    def core(self) -> Any:
+        return LazyApi(lambda: client.CoreV1Api(self.api_client))
+
+    @functools.cached_property
+    def batch(self) -> Any:
+        return LazyApi(lambda: client.BatchV1Api(self.api_client))
+
+    @functools.cached_property
+    def custom(self) -> Any:
+        return LazyApi(lambda: client.CustomObjectsApi(self.api_client))
+
+    @functools.cached_property
+    def ext(self) -> Any:
+        return LazyApi(lambda: client.ApiextensionsV1Api(self.api_client))
+
+    @property
+    def fast(self) -> Any:
+        """Where the hot calls go: ``http`` (same method names as ``core``), else ``core``."""
+        return self.http if self.http is not None else self.core
 
     @classmethod
     def from_config(cls, kubeconfig: str | None = None, concurrency: int = 32) -> Kube:
@@ -344,7 +400,7 @@ class Kube:
             kw: dict[str, Any] = {"label_selector": label_selector, "limit": limit}
             if token:
                 kw["_continue"] = token
-            page = await self._call(self.core.list_node, **kw)
+            page = await self._call(self.fast.list_node, **kw)
             items += page.get("items") or []
             token = (page.get("metadata") or {}).get("continue")
             if not token:
@@ -422,6 +478,31 @@ class Kube:
             self.core.list_node, field_selector=f"metadata.name={name}", label_selector=label_selector
         )
         return bool(page.get("items"))
+
+    def open_nodes(self, timeout: tuple[float, float], **params: Any) -> Any:
+        """GET /api/v1/nodes (a list or, with ``watch=True``, a watch) from a thread: the unread response.
+
+        Made on the official client's connection pool with its TLS and auth (the token refresh hook
+        too), not through its generated ``CoreV1Api``: the node watch lists as soon as a replica starts,
+        and importing that module first (~1 s of CPU) held the list and competed with the first records.
+        A status other than 2xx raises ``ApiException`` as the official client would. The caller reads
+        the response (``.data`` or ``kubernetes.watch.watch.iter_resp_lines``) and releases it.
+        """
+        cfg = self.api_client.configuration
+        found = cfg.auth_settings().values()
+        headers = {"Accept": "application/json", **self.api_client.default_headers,
+                   **{a["key"]: a["value"] for a in found if a.get("in") == "header" and a.get("value")}}
+        query = {_CAMEL.get(k, k): str(v).lower() if isinstance(v, bool) else str(v)
+                 for k, v in params.items() if v not in (None, "")}
+        resp = self.api_client.rest_client.pool_manager.request(
+            "GET", cfg.host.rstrip("/") + "/api/v1/nodes", fields=query, headers=headers, preload_content=False,
+            timeout=urllib3.Timeout(connect=timeout[0], read=timeout[1]),
+        )
+        if not 200 <= resp.status < 300:
+            body = resp.data.decode("utf-8", "replace")
+            resp.release_conn()
+            raise ApiException(status=resp.status, reason=resp.reason, body=body)
+        return resp
 
     # -- policies: list with resourceVersion, watch, status --------------------------------------------
     async def list_cluster_objects_page(

@@ -152,6 +152,21 @@ class HttpCalls:
         return await self._request("GET", "/api/v1/pods", params={"fieldSelector": field_selector},
                                    limits=_request_timeout)
 
+    async def list_node(
+        self, *, _request_timeout: tuple[float, float], label_selector: str = "", limit: int | None = None,
+        _continue: str | None = None, field_selector: str = "", **_: Any,
+    ) -> _Raw:
+        params = {"labelSelector": label_selector, "fieldSelector": field_selector,
+                  "limit": str(limit) if limit else "", "continue": _continue or ""}
+        return await self._request("GET", "/api/v1/nodes", limits=_request_timeout,
+                                   params={k: v for k, v in params.items() if v})
+
+    async def read_namespace(self, name: str, *, _request_timeout: tuple[float, float], **_: Any) -> _Raw:
+        return await self._request("GET", f"/api/v1/namespaces/{_q(name)}", limits=_request_timeout)
+
+    async def create_namespace(self, body: Any, *, _request_timeout: tuple[float, float], **_: Any) -> _Raw:
+        return await self._request("POST", "/api/v1/namespaces", body, limits=_request_timeout)
+
     async def read_namespaced_config_map(
         self, name: str, namespace: str, *, _request_timeout: tuple[float, float], **_: Any
     ) -> _Raw:

@@ -35,6 +35,7 @@ from pipeline.actuator.engine import Engine
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger
+from pipeline.runtime.startmarks import mark
 
 log = logging.getLogger("xidflow.actuator.reconciler")
 
@@ -83,22 +84,24 @@ class NodeWatch:
         self._stop.set()
 
     def _run(self) -> None:
-        core = self.kube.core
+        nodes = self.kube.open_nodes  # not the generated CoreV1Api: a restarted replica lists at once
         while not self._stop.is_set():
             try:
-                page = core.list_node(label_selector=self.selector, _preload_content=False, _request_timeout=(5, 60))
-                listed = orjson.loads(page.data)
+                page = nodes((5, 60), label_selector=self.selector)
+                try:
+                    listed = orjson.loads(page.data)
+                finally:
+                    page.release_conn()
                 rv = listed["metadata"]["resourceVersion"]
                 self.post("LIST", [self.read(o) for o in listed.get("items") or []])
                 while not self._stop.is_set():
-                    resp = core.list_node(
+                    resp = nodes(
+                        (5, 45),
                         label_selector=self.selector,
                         watch=True,
                         resource_version=rv,
                         allow_watch_bookmarks=True,
                         timeout_seconds=30,
-                        _preload_content=False,
-                        _request_timeout=(5, 45),
                     )
                     try:
                         for line in iter_resp_lines(resp):
@@ -213,6 +216,7 @@ class Reconciler:
 
     def _on_event(self, kind: str, seen: Seen | list[Seen]) -> None:
         if isinstance(seen, list):  # LIST: the whole fleet, replacing what was known
+            mark("nodes_listed")
             self.nodes = {s.view.name: s.view for s in seen}
             self.quarantined = {s.view.name for s in seen if s.quarantined}
             self.attention = {s.view.name for s in seen if s.attention}

@@ -54,6 +54,7 @@ from pipeline.benchmarks.burst_watch import (
 )
 from pipeline.benchmarks.burst_world import IncidentTail, World
 from pipeline.kafka import clients as kafka_clients
+from pipeline.runtime import startmarks
 
 Disruption = Callable[[World], Awaitable[dict[str, Any]]]
 
@@ -318,7 +319,10 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1, child:
         p = world.procs[proc]
         before = await world.member_ids(proc)
         victim = p.work_pid() if child else None
-        start = time.monotonic()
+        timeline = world.logdir / f"{proc}-start.jsonl"
+        # A restarted process's start, step by step (a forked child keeps its supervisor's environment: none).
+        p.env[startmarks.ENV] = str(timeline)
+        start, killed_at = time.monotonic(), time.time()
         if victim is not None and p.proc is not None and victim != p.proc.pid:
             os.kill(victim, signal.SIGKILL)
         else:
@@ -329,7 +333,32 @@ async def kill_and_restart(world: World, proc: str, delay_s: float = 0.1, child:
         await asyncio.sleep(0.5)  # a rebalance the rejoin started would show by now
     finally:
         samples = await watch.stop()
-    return {"restart_s": back, "rebalances": len(unsettled_windows(samples))}
+    return {"restart_s": back, "rebalances": len(unsettled_windows(samples)), **start_timeline(timeline, killed_at)}
+
+
+def start_timeline(path: Any, since: float) -> dict[str, Any]:
+    """``start_ms``: each step of a start (``pipeline.runtime.startmarks``) in ms after ``since``, in order;
+    ``start_cpu_ms``: the CPU the process (and, supervised, its child) had used by then, where the wall
+    clock of a busy machine says little. A supervised child written before the crash is not counted."""
+    import json
+
+    marks: dict[str, dict[str, Any]] = {}
+    with contextlib.suppress(OSError):
+        for line in path.read_text().splitlines():
+            m = json.loads(line)
+            if m["t"] >= since - 1.0 and m["mark"] != "exec":  # exec: /proc's clock, coarse; t0 is the kill
+                marks.setdefault(m["mark"], m)
+    if not marks:
+        return {}
+    ordered = sorted(marks.items(), key=lambda kv: kv[1]["t"])
+    fork = marks.get("fork")
+    parent = fork["pid"] if fork else None
+    base_cpu = fork["cpu"] if fork else 0.0
+    return {
+        "start_ms": {k: round((m["t"] - since) * 1000) for k, m in ordered},
+        "start_cpu_ms": {k: round(((m["cpu"] + base_cpu) if m["pid"] != parent else m["cpu"]) * 1000)
+                         for k, m in ordered},
+    }
 
 
 async def lose(world: World, proc: str, delay_s: float = 0.1) -> dict[str, Any]:

@@ -36,6 +36,9 @@ def actuator(
     supervise: bool | None,
 ) -> None:
     """Consume incidents and rescue requests and remediate nodes (settings: XIDFLOW_ACTUATOR_*)."""
+    from pipeline.runtime.startmarks import mark
+
+    mark("command")
     from pydantic_settings import SettingsError
 
     from pipeline.actuator import fleetmetrics
@@ -92,6 +95,7 @@ def actuator(
         except ApiStartError as exc:
             raise click.ClickException(str(exc)) from None
     kubeconfig = resolve_kubeconfig(kubeconfig, None)  # no kubeconfig: a sentence, not a traceback
+    mark("settings")
 
     async def main() -> None:
         stop = asyncio.Event()
@@ -99,6 +103,7 @@ def actuator(
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         replica = Actuator(settings, kubeconfig=kubeconfig)
+        mark("built")
         serve_metrics(component="actuator", values=fleetmetrics.label_values(replica.webhook_names()))
         running = None
         if serve_api:
@@ -118,6 +123,7 @@ def actuator(
 
     def work() -> None:
         """The replica itself: the loop, the clients and their threads are made here, after the fork."""
+        mark("work")
         gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         with sentences():  # the API server or Kafka down at start: a sentence and exit 1 (the pod restarts)
             try:
@@ -127,20 +133,19 @@ def actuator(
 
     from pipeline.runtime import supervisor
     supervisor.preload(ACTUATOR_MODULES)
+    mark("preloaded")
     raise SystemExit(supervisor.supervise(work, "actuator", supervise))
 
 
 ACTUATOR_MODULES = (
     # Imported by the replica only once it runs: loaded by the supervisor before the fork, so a
-    # replacement child does not pay for them (pipeline.runtime.supervisor).
+    # replacement child does not pay for them (pipeline.runtime.supervisor). Not the Kubernetes client's
+    # generated API modules (CoreV1Api and the like: ~1.2 s of CPU building pydantic models): no child
+    # needs them before its first records (pipeline.actuator.kube builds them at first use, a drain's
+    # pod calls or a policy CRD), and importing them here delayed a restarted container's first child.
     "aiokafka",
     "kubernetes.client",
-    "kubernetes.client.api.core_v1_api",  # with its ~300 model modules: half a second of an idle core
-    "kubernetes.client.api.batch_v1_api",
-    "kubernetes.client.api.custom_objects_api",
-    "kubernetes.client.api.apiextensions_v1_api",
     "kubernetes.watch",
-    "pydantic.validate_call_decorator",
     "pipeline.actuator.notify",
     "pipeline.actuator.engine",
     "pipeline.actuator.effector",

@@ -445,13 +445,18 @@ class Catalog:
         return self._cls(entry)
 
 
+_SAFE_LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+
+
 def _read_yaml(path: Path) -> dict[str, Any]:
     try:
         text = path.read_text(encoding="utf-8")
     except OSError as exc:
         raise CatalogError(f"catalog file {path}: {exc.strerror or exc}") from None
     try:
-        document = yaml.safe_load(text)
+        # libyaml's safe loader where it is built in: the pure-Python one spent ~0.15 s of CPU on the bundled
+        # catalog at every worker and actuator start, on the critical path of a restarted process.
+        document = yaml.load(text, Loader=_SAFE_LOADER)  # noqa: S506 - a safe loader either way
     except yaml.YAMLError as exc:
         raise CatalogError(f"catalog file {path}: not valid YAML: {exc}") from None
     if document is None:

@@ -20,8 +20,6 @@ What is used, by whom:
   ``_new_consumer_thread`` (overridden by ``FaustConsumer`` and handed on under public names), its
   bookkeeping ``_committed_offset``, ``_acked``, ``_read_offset``, ``_unacked_messages``,
   ``_paused_partitions`` and ``_thread``; its consumer thread's ``_create_worker_consumer``.
-- aiokafka's fetcher: ``_get_actions_per_node`` (where it plans each fetch, reading ``_fetch_max_wait_ms``
-  and ``_records`` each time; ``long_poll_when_idle``, ``tests/unit/test_idle_fetch.py``).
 - aiokafka's consumer: ``_fetch_max_wait_ms`` (Faust hard-codes 1,500 ms), ``_subscription`` (fetch
   positions), ``_client.force_metadata_update``, ``_coordinator._group_instance_id`` (leaving a
   group as a static member); the admin client's ``_send_request`` and the protocol classes of
@@ -32,15 +30,18 @@ What is used, by whom:
   buffer ``Fetcher._records``, ``FetchResult._partition_records`` and ``PartitionRecords._consumer_record``
   (``deliver_bare_records``: the parse stage reads aiokafka's decoded records without a
   ``ConsumerRecord`` built per record).
-- Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
+- aiokafka's fetcher: ``_get_actions_per_node`` (where it plans each fetch, reading ``_fetch_max_wait_ms``
+  and ``_records`` each time; ``long_poll_when_idle``, ``tests/unit/test_idle_fetch.py``).
 - Faust's consumer delivers each record as ``wait_first(callback(message), suspend_flow.wait())``
   (``Consumer._drain_messages``); ``FaustConsumer.wait_first`` (mode's public method) runs such a
   callback's first step inline instead of in four tasks (``tests/unit/test_drain_delivery.py``).
+- Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import inspect
 import types
 from collections.abc import Callable, Generator, Sequence
@@ -52,9 +53,6 @@ from aiokafka.coordinator.protocol import ConsumerProtocolMemberAssignment
 from aiokafka.errors import UnsupportedCodecError
 from aiokafka.protocol.api import Request, RequestStruct, Response
 from aiokafka.protocol.types import Array, Boolean, Bytes, Int16, Int32, Schema, String
-from faust.tables.manager import TableManager
-from faust.transport.drivers import aiokafka as faust_aiokafka
-from mode.services import WaitResults
 
 from pipeline.kafka.undecodable import Failure, Reason
 
@@ -65,117 +63,159 @@ AIOKAFKA_FETCH_MAX_WAIT_MS = 500
 # -- Faust's consumer ----------------------------------------------------------------------------
 
 
-class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
-    """Faust's consumer thread, with the fetch wait its consumer asks for (``FaustConsumer.fetch_max_wait_ms``)
-    while records flow, and ``FaustConsumer.idle_fetch_max_wait_ms`` while none do (``long_poll_when_idle``)."""
-
-    def _create_worker_consumer(self, transport: Any) -> Any:
-        consumer = super()._create_worker_consumer(transport)
-        consumer._fetch_max_wait_ms = getattr(self.consumer, "fetch_max_wait_ms", AIOKAFKA_FETCH_MAX_WAIT_MS)
-        return consumer
-
-    async def on_start(self) -> None:
-        await super().on_start()
-        idle_ms = getattr(self.consumer, "idle_fetch_max_wait_ms", None)
-        if idle_ms is not None:
-            long_poll_when_idle(self._consumer, idle_ms)
+_FAUST_CLASSES = frozenset({"_ConsumerThread", "FaustConsumer", "PromptTableManager"})
 
 
-class FaustConsumer(faust_aiokafka.Consumer):
-    """Faust's aiokafka consumer with its private hooks and bookkeeping under names of ours.
+def __getattr__(name: str) -> Any:
+    """The Faust subclasses, defined at their first use: the actuator uses only this module's aiokafka
+    seams, and importing Faust for them cost every actuator start ~0.16 s of CPU, on the critical path
+    of a restarted process (issue 22)."""
+    if name in _FAUST_CLASSES:
+        return _faust_classes()[name]
+    if name == "faust_aiokafka":  # Faust's aiokafka driver module, as it was imported here (tests patch it)
+        from faust.transport.drivers import aiokafka as faust_aiokafka
 
-    A subclass overrides ``fetch_records``, ``keeps_gap`` and ``offset_to_commit`` (calling
-    ``super()`` for Faust's behaviour) and reads Faust's view of each partition through the readers.
-    """
+        return faust_aiokafka
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-    fetch_max_wait_ms: int = AIOKAFKA_FETCH_MAX_WAIT_MS
-    idle_fetch_max_wait_ms: int | None = None  # None: fetch_max_wait_ms always
 
-    def _new_consumer_thread(self) -> Any:
-        return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
+@functools.cache
+def _faust_classes() -> dict[str, type]:
+    from faust.tables.manager import TableManager
+    from faust.transport.drivers import aiokafka as faust_aiokafka
+    from mode.services import WaitResults
 
-    async def wait_first(self, *coros: Any, timeout: Any = None) -> Any:  # noqa: ASYNC109 - mode's signature
-        """mode's ``wait_first``, without its four tasks when the first coroutine finishes at once.
+    class _ConsumerThread(faust_aiokafka.AIOKafkaConsumerThread):
+        """Faust's consumer thread, with the fetch wait its consumer asks for (``FaustConsumer.fetch_max_wait_ms``)
+        while records flow, and ``FaustConsumer.idle_fetch_max_wait_ms`` while none do (``long_poll_when_idle``)."""
 
-        Faust's consumer delivers every fetched record as ``wait_first(callback(message),
-        suspend_flow.wait())`` (``Consumer._drain_messages``): a task for the callback, one for each of
-        the flow's, the service's stopped and crashed events, and ``asyncio.wait``: two loop turns and
-        four tasks per record, where the callback (the conductor putting the event on the agent's
-        queue) almost always finishes without waiting. In a burst that made the records trickle onto
-        the queue in between everything else the loop ran, so the agent took them a few at a time.
+        def _create_worker_consumer(self, transport: Any) -> Any:
+            consumer = super()._create_worker_consumer(transport)
+            consumer._fetch_max_wait_ms = getattr(self.consumer, "fetch_max_wait_ms", AIOKAFKA_FETCH_MAX_WAIT_MS)
+            return consumer
 
-        Here the callback's first step runs inline. Finished: the answer is the one ``wait_first``
-        would give (the callback among the winners; the other awaitables, not started, are closed).
-        Raised: raised, as ``wait_first`` does. Waiting (flow control suspended, a full queue, the
-        producer buffer): the rest of it goes to mode's ``wait_first`` with the same other awaitables,
-        so a rebalance (``suspend_flow``) or a stop still ends the wait as before. Any other call
-        (a timeout, a first argument that is not a coroutine, a stopped or crashed service) is mode's.
+        async def on_start(self) -> None:
+            await super().on_start()
+            idle_ms = getattr(self.consumer, "idle_fetch_max_wait_ms", None)
+            if idle_ms is not None:
+                long_poll_when_idle(self._consumer, idle_ms)
+
+
+    class FaustConsumer(faust_aiokafka.Consumer):
+        """Faust's aiokafka consumer with its private hooks and bookkeeping under names of ours.
+
+        A subclass overrides ``fetch_records``, ``keeps_gap`` and ``offset_to_commit`` (calling
+        ``super()`` for Faust's behaviour) and reads Faust's view of each partition through the readers.
         """
-        first = coros[0] if coros else None
-        if timeout is not None or not inspect.iscoroutine(first) or self.should_stop or self.crashed:
-            return await super().wait_first(*coros, timeout=timeout)
-        rest = coros[1:]
-        try:
-            yielded = first.send(None)
-        except StopIteration as done:
-            _close(rest)
-            return WaitResults([first], [done.value], False)
-        except BaseException:
-            _close(rest)
-            raise
-        resumed = _resume(first, yielded)
-        results = await super().wait_first(resumed, *rest)
-        return WaitResults([first if c is resumed else c for c in results.done], results.results, results.stopped)
 
-    async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
-        return await self.fetch_records(active_partitions, timeout)
+        fetch_max_wait_ms: int = AIOKAFKA_FETCH_MAX_WAIT_MS
+        idle_fetch_max_wait_ms: int | None = None  # None: fetch_max_wait_ms always
 
-    async def fetch_records(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109
-        """One fetch of the partitions in ``active_partitions`` (None: all): {tp: [records]}."""
-        return await super()._getmany(active_partitions, timeout)
+        def _new_consumer_thread(self) -> Any:
+            return _ConsumerThread(self, loop=self.loop, beacon=self.beacon)
 
-    async def _add_gap(self, tp: Any, offset_from: int, offset_to: int) -> None:
-        if self.keeps_gap(tp):
-            await super()._add_gap(tp, offset_from, offset_to)
+        async def wait_first(self, *coros: Any, timeout: Any = None) -> Any:  # noqa: ASYNC109 - mode's signature
+            """mode's ``wait_first``, without its four tasks when the first coroutine finishes at once.
 
-    def keeps_gap(self, tp: Any) -> bool:
-        """Whether a jump in delivery on ``tp`` is booked as a gap Faust may commit past (Faust: always)."""
-        return True
+            Faust's consumer delivers every fetched record as ``wait_first(callback(message),
+            suspend_flow.wait())`` (``Consumer._drain_messages``): a task for the callback, one for each of
+            the flow's, the service's stopped and crashed events, and ``asyncio.wait``: two loop turns and
+            four tasks per record, where the callback (the conductor putting the event on the agent's
+            queue) almost always finishes without waiting. In a burst that made the records trickle onto
+            the queue in between everything else the loop ran, so the agent took them a few at a time.
 
-    def _new_offset(self, tp: Any) -> int | None:
-        return self.offset_to_commit(tp)
+            Here the callback's first step runs inline. Finished: the answer is the one ``wait_first``
+            would give (the callback among the winners; the other awaitables, not started, are closed).
+            Raised: raised, as ``wait_first`` does. Waiting (flow control suspended, a full queue, the
+            producer buffer): the rest of it goes to mode's ``wait_first`` with the same other awaitables,
+            so a rebalance (``suspend_flow``) or a stop still ends the wait as before. Any other call
+            (a timeout, a first argument that is not a coroutine, a stopped or crashed service) is mode's.
+            """
+            first = coros[0] if coros else None
+            if timeout is not None or not inspect.iscoroutine(first) or self.should_stop or self.crashed:
+                return await super().wait_first(*coros, timeout=timeout)
+            rest = coros[1:]
+            try:
+                yielded = first.send(None)
+            except StopIteration as done:
+                _close(rest)
+                return WaitResults([first], [done.value], False)
+            except BaseException:
+                _close(rest)
+                raise
+            resumed = _resume(first, yielded)
+            results = await super().wait_first(resumed, *rest)
+            return WaitResults([first if c is resumed else c for c in results.done], results.results, results.stopped)
 
-    def offset_to_commit(self, tp: Any) -> int | None:
-        """The offset Faust would commit for ``tp`` now (the first run of consecutive acknowledged offsets)."""
-        return super()._new_offset(tp)
 
-    # Faust's bookkeeping, read-only unless said otherwise.
-    def committed_offset(self, tp: Any) -> int | None:
-        return committed_offset(self, tp)
+        async def _getmany(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109 - Faust's signature
+            return await self.fetch_records(active_partitions, timeout)
 
-    def acked_offsets(self, tp: Any) -> list[int] | None:
-        """Offsets acknowledged and not yet committed (Faust's ``_acked``)."""
-        return self._acked.get(tp)
+        async def fetch_records(self, active_partitions: Any, timeout: float) -> Any:  # noqa: ASYNC109
+            """One fetch of the partitions in ``active_partitions`` (None: all): {tp: [records]}."""
+            return await super()._getmany(active_partitions, timeout)
 
-    def read_offset(self, tp: Any) -> int | None:
-        return read_offset(self, tp)
+        async def _add_gap(self, tp: Any, offset_from: int, offset_to: int) -> None:
+            if self.keeps_gap(tp):
+                await super()._add_gap(tp, offset_from, offset_to)
 
-    def in_flight_partitions(self) -> set[Any]:
-        """Partitions with a message delivered to an agent and not yet acknowledged."""
-        return {m.tp for m in self._unacked_messages}
+        def keeps_gap(self, tp: Any) -> bool:
+            """Whether a jump in delivery on ``tp`` is booked as a gap Faust may commit past (Faust: always)."""
+            return True
 
-    def forget_unacked(self, message: Any) -> None:
-        """Drop ``message`` from Faust's unacknowledged set (it will be read again instead)."""
-        self._unacked_messages.discard(message)
+        def _new_offset(self, tp: Any) -> int | None:
+            return self.offset_to_commit(tp)
 
-    def paused_by_faust(self, tp: Any) -> bool:
-        return tp in self._paused_partitions
+        def offset_to_commit(self, tp: Any) -> int | None:
+            """The offset Faust would commit for ``tp`` now (the first run of consecutive acknowledged offsets)."""
+            return super()._new_offset(tp)
 
-    def fetch_positions(self) -> tuple[set[Any], Callable[[Any], int]]:
-        """(partitions aiokafka has paused, tp -> aiokafka's fetch position); raises if the consumer is gone."""
-        inner = self._thread._ensure_consumer()
-        state = inner._subscription.subscription.assignment
-        return set(inner.paused()), lambda tp: state.state_value(tp).position
+        # Faust's bookkeeping, read-only unless said otherwise.
+        def committed_offset(self, tp: Any) -> int | None:
+            return committed_offset(self, tp)
+
+        def acked_offsets(self, tp: Any) -> list[int] | None:
+            """Offsets acknowledged and not yet committed (Faust's ``_acked``)."""
+            return self._acked.get(tp)
+
+        def read_offset(self, tp: Any) -> int | None:
+            return read_offset(self, tp)
+
+        def in_flight_partitions(self) -> set[Any]:
+            """Partitions with a message delivered to an agent and not yet acknowledged."""
+            return {m.tp for m in self._unacked_messages}
+
+        def forget_unacked(self, message: Any) -> None:
+            """Drop ``message`` from Faust's unacknowledged set (it will be read again instead)."""
+            self._unacked_messages.discard(message)
+
+        def paused_by_faust(self, tp: Any) -> bool:
+            return tp in self._paused_partitions
+
+        def fetch_positions(self) -> tuple[set[Any], Callable[[Any], int]]:
+            """(partitions aiokafka has paused, tp -> aiokafka's fetch position); raises if the consumer is gone."""
+            inner = self._thread._ensure_consumer()
+            state = inner._subscription.subscription.assignment
+            return set(inner.paused()), lambda tp: state.state_value(tp).position
+
+    class PromptTableManager(TableManager):
+        """Faust's table manager without the one-second sleep it takes before subscribing.
+
+        Faust sleeps a second at start so that tables defined late (by modules imported while the worker
+        starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
+        the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
+        start, and a replacement child's rejoin (``pipeline.runtime.supervisor``), by a second.
+        """
+
+        async def on_start(self) -> None:
+            if not self.should_stop:
+                await self._update_channels()
+                await self.recovery.start()
+
+    # Their qualified names keep the function's prefix: mode's services key their tasks by the name the
+    # class had when it was made.
+    return {"_ConsumerThread": _ConsumerThread, "FaustConsumer": FaustConsumer,
+            "PromptTableManager": PromptTableManager}
 
 
 def _close(awaitables: Sequence[Any]) -> None:
@@ -212,8 +252,8 @@ def _continue(coro: Any, yielded: Any) -> Generator[Any, Any, Any]:
         except StopIteration as done:
             return done.value
 
-
-def read_offset(consumer: Any, tp: Any) -> int | None:
+def read_offset(consumer
+: Any, tp: Any) -> int | None:
     """The last offset of ``tp`` a Faust consumer delivered to its agents (None: none yet)."""
     return consumer._read_offset.get(tp)
 
@@ -227,21 +267,6 @@ def faust_aiokafka_consumer(app: Any) -> Any:
     """The aiokafka consumer behind a started Faust app's consumer (None before it started)."""
     thread = getattr(getattr(app, "_consumer", None), "_thread", None)
     return getattr(thread, "_consumer", None)
-
-
-class PromptTableManager(TableManager):
-    """Faust's table manager without the one-second sleep it takes before subscribing.
-
-    Faust sleeps a second at start so that tables defined late (by modules imported while the worker
-    starts) are registered before it subscribes. xidflow adds its one table in ``create_app``, before
-    the app starts (a later one is refused by Faust anyway), so the sleep only delayed every worker
-    start, and a replacement child's rejoin (``pipeline.runtime.supervisor``), by a second.
-    """
-
-    async def on_start(self) -> None:
-        if not self.should_stop:
-            await self._update_channels()
-            await self.recovery.start()
 
 
 # -- aiokafka's clients --------------------------------------------------------------------------
@@ -393,47 +418,6 @@ def drained_before(exc: BaseException) -> dict[Any, list[Any]]:
     return {}
 
 
-# -- a fetch that waits long only when nothing can be held back by it ------------------------------
-
-
-def fetch_covers_every_partition(buffered: Any, assignment: Any) -> bool:
-    """Whether a fetch planned now asks for every assigned partition: none has records buffered, is
-    paused or waits for its position. Pure (``buffered``: the fetcher's ``tp -> records`` buffer)."""
-    if buffered:
-        return False
-    for tp in assignment.tps:
-        state = assignment.state_value(tp)
-        if state.paused or not state.has_valid_position:
-            return False
-    return True
-
-
-def long_poll_when_idle(consumer: Any, idle_ms: int) -> None:
-    """Make a started consumer's fetches wait ``idle_ms`` on the broker when they cover every partition.
-
-    aiokafka keeps one fetch in flight per broker and leaves a partition whose records are still
-    buffered out of it: a partition drained while a long poll waits is fetched again only when that
-    poll returns, so a worker's consumers poll briefly (``fetch_max_wait_ms``, 50 ms). Idle, that short
-    poll is 20 fetches a second per consumer, 50-90 ms of CPU per idle second on the 2-core bench
-    node, taken from the actuators and the API server. A fetch that asks for every assigned partition
-    holds nothing back: the broker answers it as soon as any of them has a record. Such a fetch waits
-    ``idle_ms``; any other keeps the consumer's own wait. aiokafka reads the wait each time it plans
-    its fetches (``Fetcher._get_actions_per_node``), which is wrapped here.
-    """
-    fetcher = consumer._fetcher
-    if fetcher is None:
-        raise RuntimeError("long_poll_when_idle: the consumer is not started")
-    busy_ms = fetcher._fetch_max_wait_ms
-    plan = fetcher._get_actions_per_node
-
-    def plan_fetches(assignment: Any) -> Any:
-        idle = fetch_covers_every_partition(fetcher._records, assignment)
-        fetcher._fetch_max_wait_ms = idle_ms if idle else busy_ms
-        return plan(assignment)
-
-    fetcher._get_actions_per_node = plan_fetches
-
-
 # -- records without a ConsumerRecord each -------------------------------------------------------
 
 
@@ -494,3 +478,44 @@ def deliver_bare_records(consumer: Any) -> None:
     for tp, result in fetcher._records.items():
         buffer[tp] = result
     fetcher._records = buffer
+
+
+# -- a fetch that waits long only when nothing can be held back by it ------------------------------
+
+
+def fetch_covers_every_partition(buffered: Any, assignment: Any) -> bool:
+    """Whether a fetch planned now asks for every assigned partition: none has records buffered, is
+    paused or waits for its position. Pure (``buffered``: the fetcher's ``tp -> records`` buffer)."""
+    if buffered:
+        return False
+    for tp in assignment.tps:
+        state = assignment.state_value(tp)
+        if state.paused or not state.has_valid_position:
+            return False
+    return True
+
+
+def long_poll_when_idle(consumer: Any, idle_ms: int) -> None:
+    """Make a started consumer's fetches wait ``idle_ms`` on the broker when they cover every partition.
+
+    aiokafka keeps one fetch in flight per broker and leaves a partition whose records are still
+    buffered out of it: a partition drained while a long poll waits is fetched again only when that
+    poll returns, so a worker's consumers poll briefly (``fetch_max_wait_ms``, 50 ms). Idle, that short
+    poll is 20 fetches a second per consumer, 50-90 ms of CPU per idle second on the 2-core bench
+    node, taken from the actuators and the API server. A fetch that asks for every assigned partition
+    holds nothing back: the broker answers it as soon as any of them has a record. Such a fetch waits
+    ``idle_ms``; any other keeps the consumer's own wait. aiokafka reads the wait each time it plans
+    its fetches (``Fetcher._get_actions_per_node``), which is wrapped here.
+    """
+    fetcher = consumer._fetcher
+    if fetcher is None:
+        raise RuntimeError("long_poll_when_idle: the consumer is not started")
+    busy_ms = fetcher._fetch_max_wait_ms
+    plan = fetcher._get_actions_per_node
+
+    def plan_fetches(assignment: Any) -> Any:
+        idle = fetch_covers_every_partition(fetcher._records, assignment)
+        fetcher._fetch_max_wait_ms = idle_ms if idle else busy_ms
+        return plan(assignment)
+
+    fetcher._get_actions_per_node = plan_fetches

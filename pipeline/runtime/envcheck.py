@@ -31,6 +31,7 @@ DIRECT_NAMES = frozenset({
     "XIDFLOW_CACHE_DIR",  # pipeline.localinfra.install
     "XIDFLOW_GPU_PCI",  # set by the actuator in reset Jobs
     "XIDFLOW_TEST_WORKER_LOGLEVEL",  # the test suite
+    "XIDFLOW_START_TIMELINE",  # pipeline.runtime.startmarks (set by xidflow bench)
 })
 
 

@@ -73,6 +73,8 @@ from pathlib import Path
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from pipeline.runtime.startmarks import mark
+
 log = logging.getLogger("xidflow.supervisor")
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
@@ -245,6 +247,7 @@ class Supervisor:
             watch_r, watch_w = os.pipe()
         for stream in (sys.stdout, sys.stderr):
             stream.flush()  # nothing buffered is written twice
+        mark("fork")
         pid = os.fork()
         if pid == 0:
             if watch_w is not None:
