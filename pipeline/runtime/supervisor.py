@@ -194,6 +194,9 @@ def _child(work: Callable[[], object], parent: int, watch_fd: int | None) -> Non
         os.setpgid(0, 0)  # a terminal's Ctrl-C reaches the supervisor only, which forwards it once
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
+        # Forked with the forwarded signals blocked (``Supervisor.run``): one sent meanwhile waited, and
+        # now meets the child's own handlers, not the supervisor's copy that would have dropped it.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
         _die_with_parent(parent, watch_fd)
         result = work()
         code = result if isinstance(result, int) else 0
@@ -267,7 +270,14 @@ class Supervisor:
         watch_w: int | None = None
         while True:
             started = time.monotonic()
-            self.child, watch_w = self._fork()
+            # A SIGTERM between the fork and the child's own handlers ran the supervisor's handler in the
+            # child, which had no child to forward it to: the child went on working, and the supervisor
+            # waited for it for ever. Blocked around the fork, it waits until both sides are ready.
+            signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+            try:
+                self.child, watch_w = self._fork()
+            finally:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
             if self.stopping is not None:  # a signal came while forking: the child may have missed it
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(self.child, self.stopping)

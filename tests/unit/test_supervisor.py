@@ -147,3 +147,28 @@ def test_disabled_runs_the_work_in_this_process(tmp_path: Path) -> None:
     proc, marks = _start(tmp_path, "exit", XIDFLOW_SUPERVISOR_ENABLED="false")
     assert proc.wait(60) == 4
     assert [int(p.name) for p in marks.iterdir()] == [proc.pid]
+
+
+def test_a_sigterm_at_the_fork_stops_the_child_instead_of_being_lost(tmp_path: Path) -> None:
+    """SIGTERM sent while the child is being forked (a pod deleted as it starts; the crash test's worker
+    stopped 0.05 s after its start): the child's copy of the supervisor's handler had nobody to forward
+    it to, the child went on working and the supervisor waited for ever."""
+    script = tmp_path / "at_fork.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        from pipeline.runtime.supervisor import Supervisor, SupervisorSettings
+
+        # The signal arrives in the parent as fork returns, and the child takes a while to set its
+        # own handlers: the window, made wide enough to hit every time.
+        os.register_at_fork(after_in_parent=lambda: os.kill(os.getpid(), signal.SIGTERM),
+                            after_in_child=lambda: time.sleep(0.3))
+
+        def work():
+            time.sleep(60)
+            return 0
+
+        sys.exit(Supervisor(work, "t", SupervisorSettings()).run())
+    """))
+    proc = subprocess.run([sys.executable, str(script)], cwd=Path(__file__).resolve().parents[2],
+                          capture_output=True, timeout=40)
+    assert proc.returncode == 128 + signal.SIGTERM, proc.stdout + proc.stderr
