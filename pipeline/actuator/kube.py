@@ -247,6 +247,11 @@ def _abort(response: Any) -> None:
         response.close()
 
 
+class _CallerGone(Exception):
+    """A call not sent because its caller was cancelled while it waited for its thread (never seen by the
+    caller, whose await was cancelled)."""
+
+
 class LazyApi:
     """One of the official client's generated API objects, built (its module imported) at its first call.
 
@@ -276,6 +281,7 @@ class LazyApi:
             return getattr(self.built(), name)(*args, **kwargs)
 
         call.__name__ = call.__qualname__ = name
+        call.lazy_api = self  # type: ignore[attr-defined] - ``Kube._call`` builds it before deciding to send
         return call
 
 
@@ -379,7 +385,7 @@ class Kube:
             if self.http is not None and getattr(fn, "__self__", None) is self.http:
                 resp = await call()  # kube_http: on the loop, no thread
             else:
-                resp = await loop.run_in_executor(self._pool, call)
+                resp = await self._on_thread(loop, fn, call)
         except ApiException as exc:
             raise _map_error(exc) from None
         except (urllib3.exceptions.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
@@ -388,6 +394,30 @@ class Kube:
             self._limiter.release(reserved)
         data = resp.data
         return orjson.loads(data) if data else None
+
+    async def _on_thread(self, loop: asyncio.AbstractEventLoop, fn: Callable[..., Any], call: Callable[[], Any]) -> Any:
+        """``call`` on a pool thread, not sent if its caller gave up first.
+
+        A thread cannot be cancelled: a flow cancelled (a person's uncordon, a lost partition) while its
+        eviction waited for a thread, or for the generated API's first build (about a second of import,
+        ``LazyApi``), would otherwise still send it, into a cluster that has moved on (a PDB relaxed
+        meanwhile let it through)."""
+        gave_up = threading.Event()
+
+        def send() -> Any:
+            lazy = getattr(fn, "lazy_api", None)
+            if lazy is not None:
+                lazy.built()
+            if gave_up.is_set():
+                raise _CallerGone(getattr(fn, "__name__", "call"))
+            return call()
+
+        send.__name__ = getattr(fn, "__name__", "send")  # what a spy on the pool sees (tests, the storm bench)
+        try:
+            return await loop.run_in_executor(self._pool, send)
+        except asyncio.CancelledError:
+            gave_up.set()
+            raise
 
     # -- nodes -----------------------------------------------------------------------------------
     async def get_node(self, name: str) -> dict[str, Any]:

@@ -6,6 +6,9 @@ thread: the thread hop and the client's per-call work were most of the actuator'
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -110,3 +113,40 @@ async def test_an_unreachable_api_server_is_unavailable_not_a_crash(kubeconfig: 
             await dead.patch_node("any", {"spec": {"unschedulable": True}})
     finally:
         await dead.aclose()
+
+
+async def test_an_eviction_whose_flow_was_cancelled_while_it_waited_for_its_thread_is_not_sent(
+    kube: Kube, kubeconfig: str, unique: Callable[[str], str]
+) -> None:
+    """The first call of a generated API builds it (about a second of import, ``LazyApi``); a drain
+    cancelled meanwhile (a person uncordoned the node) must not evict afterwards. CI caught it: the
+    eviction went out after the test had relaxed the PodDisruptionBudget that had blocked it."""
+    from kubernetes import client
+
+    from pipeline.actuator.kube import LazyApi
+    from tests.integration.test_actuator_drain_reboot import make_pods
+
+    node, namespace = unique("gpu"), unique("ns")
+    await create_nodes(kube, [node], {"xidflow.test/http": "1"})
+    await kube._call(kube.core.create_namespace, {"metadata": {"name": namespace}})
+    await make_pods(kube, namespace, node, ["p"], {"app": "train"})
+
+    def slow_build() -> Any:
+        time.sleep(1.0)  # the generated module's import on a busy machine
+        return client.CoreV1Api(kube.api_client)
+
+    evicting = Kube.from_config(kubeconfig, 4)
+    try:
+        evicting.__dict__["core"] = LazyApi(slow_build)
+        task = asyncio.ensure_future(evicting.evict_pod(namespace, "p", 0))
+        await asyncio.sleep(0.3)
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        await asyncio.sleep(2.0)  # the build is over: an eviction still on its way would have landed
+        pods = await kube.list_pods_on_node(node)
+        assert [p["metadata"]["name"] for p in pods] == ["p"]
+        assert not pods[0]["metadata"].get("deletionTimestamp"), "evicted after the caller gave up"
+    finally:
+        await evicting.aclose()
+        await delete_nodes(kube, [node])
