@@ -364,6 +364,8 @@ def test_loki_tail_restarted_on_the_secured_broker_goes_on_shipping(
     async def lines_of_run() -> list[str]:
         out = []
         for value in await read_all(admin, T.name("logs_kernel")):
+            if not value.startswith(b"{"):  # this module's other tests write plain lines to the topic
+                continue
             for stream in orjson.loads(value).get("streams", []):  # the bridge writes Loki push bodies
                 if stream["stream"].get("run") == run:
                     out += [line for _, line in stream["values"]]
