@@ -33,7 +33,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
-from pipeline.actuator.kube_http import HttpCalls
+from pipeline.actuator.kube_http import HttpCalls, auth_headers
 
 T = TypeVar("T")
 
@@ -403,16 +403,17 @@ class Kube:
         ``LazyApi``), would otherwise still send it, into a cluster that has moved on (a PDB relaxed
         meanwhile let it through)."""
         gave_up = threading.Event()
+        name = getattr(fn, "__name__", "call")
 
         def send() -> Any:
             lazy = getattr(fn, "lazy_api", None)
             if lazy is not None:
                 lazy.built()
             if gave_up.is_set():
-                raise _CallerGone(getattr(fn, "__name__", "call"))
+                raise _CallerGone(name)
             return call()
 
-        send.__name__ = getattr(fn, "__name__", "send")  # what a spy on the pool sees (tests, the storm bench)
+        send.__name__ = name  # what a spy on the pool sees (tests, the storm bench)
         try:
             return await loop.run_in_executor(self._pool, send)
         except asyncio.CancelledError:
@@ -519,9 +520,7 @@ class Kube:
         the response (``.data`` or ``kubernetes.watch.watch.iter_resp_lines``) and releases it.
         """
         cfg = self.api_client.configuration
-        found = cfg.auth_settings().values()
-        headers = {"Accept": "application/json", **self.api_client.default_headers,
-                   **{a["key"]: a["value"] for a in found if a.get("in") == "header" and a.get("value")}}
+        headers = {"Accept": "application/json", **self.api_client.default_headers, **auth_headers(cfg)}
         query = {_CAMEL.get(k, k): str(v).lower() if isinstance(v, bool) else str(v)
                  for k, v in params.items() if v not in (None, "")}
         resp = self.api_client.rest_client.pool_manager.request(

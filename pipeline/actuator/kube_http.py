@@ -45,6 +45,15 @@ def _ssl_context(cfg: client.Configuration) -> ssl.SSLContext | bool:
     return ctx
 
 
+def auth_headers(cfg: Any) -> dict[str, str]:
+    """The credentials headers of a client configuration, for one request.
+
+    ``auth_settings()`` runs the token refresh hook (in-cluster service account tokens rotate), as the
+    official client does before each call."""
+    found = cfg.auth_settings().values()
+    return {a["key"]: a["value"] for a in found if a.get("in") == "header" and a.get("value")}
+
+
 class HttpCalls:
     """One aiohttp session per event loop over the kubeconfig's API server; methods return raw bodies."""
 
@@ -92,10 +101,6 @@ class HttpCalls:
         elif loop.is_running():
             asyncio.run_coroutine_threadsafe(session.close(), loop)
 
-    def _auth(self) -> dict[str, str]:
-        # auth_settings() runs the token refresh hook (in-cluster service account tokens rotate), as the client does.
-        found = self.cfg.auth_settings().values()
-        return {a["key"]: a["value"] for a in found if a.get("in") == "header" and a.get("value")}
 
     async def _request(
         self,
@@ -107,7 +112,7 @@ class HttpCalls:
         params: dict[str, str] | None = None,
     ) -> _Raw:
         """One call; ``limits``: (connect, read) seconds, as the official client's ``_request_timeout``."""
-        headers = {**self.headers, **self._auth()}
+        headers = {**self.headers, **auth_headers(self.cfg)}
         data = None
         if body is not None:
             headers["Content-Type"] = content_type
