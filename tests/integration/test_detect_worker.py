@@ -78,13 +78,19 @@ async def test_catalog_overrides_change_what_lands_on_the_incident_topic(overrid
         await pipe.kernel(xid31, XID.format(bus="4e", code=31, text="Ch 0000000b, intr 10000000. MMU Fault"), now)
         await pipe.kernel(unknown, XID.format(bus="4e", code=250, text="a code from a newer driver"), now)
         await pipe.wait_for(lambda: bool(pipe.incidents(xid31)) and bool(pipe.incidents(unknown)), 60, "incidents")
+
+        def events() -> list[dict]:
+            return [e for e in pipe.seen["fault_events"] if e.get("node") in (xid31, unknown)]
+
+        # Each topic has its own reader: an incident can be read before the fault event that led to it.
+        await pipe.wait_for(lambda: len(events()) >= 2, 30, "both fault events")
         [first] = pipe.incidents(xid31)
         [second] = pipe.incidents(unknown)
-        events = [e for e in pipe.seen["fault_events"] if e.get("node") in (xid31, unknown)]
+        seen_events = events()
     assert (first["code"], first["action"], first["quarantine"]) == (31, "REBOOT_NODE", True)
     assert (second["code"], second["action"], second["quarantine"]) == (250, "CONTACT_SUPPORT", True)
     # The parse stage classified with the override too (the fault events carry the action it gave).
-    assert {e["code"]: e["action"] for e in events} == {31: "REBOOT_NODE", 250: "CONTACT_SUPPORT"}
+    assert {e["code"]: e["action"] for e in seen_events} == {31: "REBOOT_NODE", 250: "CONTACT_SUPPORT"}
 
 
 async def test_multiline_fallen_off_bus_in_one_record_is_one_incident_in_every_shipper_shape(
