@@ -42,6 +42,9 @@ def worker(
     supervise: bool | None,
 ) -> None:
     """Run the Faust parse and aggregation worker until interrupted."""
+    from pipeline.runtime.startmarks import mark
+
+    mark("command")
     import faust
 
     from agents.worker import create_app
@@ -78,6 +81,7 @@ def worker(
         raise click.ClickException(describe_validation_error(exc)) from None
     except CatalogError as exc:
         raise click.ClickException(f"invalid catalog override: {exc}") from exc
+    mark("settings")
     names = worker_topics(settings.app_id, topics)
     # The fault-event topic's partition count decides the ticks topic's and the table's: they must be
     # co-partitioned, and the worker refuses to run when they are not (pipeline.aggregate.copartition).
@@ -95,6 +99,7 @@ def worker(
         raise click.ClickException(str(exc)) from exc
     except (KafkaError, OSError) as exc:
         raise click.ClickException(f"cannot reach Kafka at {bootstrap}: {exc}") from exc
+    mark("topics")
     if actual != settings.partitions:
         click.echo(f"{names[0]} has {actual} partitions; using that for the node-state table", err=True)
         settings = settings.model_copy(update={"partitions": actual})
@@ -104,10 +109,12 @@ def worker(
     from pipeline.runtime.metrics import serve_metrics
 
     supervisor.preload(WORKER_MODULES)
+    mark("preloaded")
     level, fmt = current()
 
     def work() -> None:
         """The worker itself: every thread, loop and connection is made here, after the fork."""
+        mark("work")
         allocator.tune()  # before the first burst: large blocks are then given back when freed
         gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
