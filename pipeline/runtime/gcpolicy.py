@@ -48,8 +48,10 @@ def tune(settings: GcSettings | None = None) -> tuple[int, int, int]:
 
     Objects alive now (imports, settings, the app's declarations) are moved out of the collector's
     sight (``gc.freeze``): they live as long as the process, and every full collection would walk them.
+    The collector is turned on if the start had it off.
     """
     s = settings or GcSettings()
+    gc.enable()  # the service's start ran without it (``pipeline.cli.LazyGroup.get_command``)
     gc.collect()
     gc.freeze()
     gc.set_threshold(s.threshold0, s.threshold1, s.threshold2)

@@ -267,6 +267,9 @@ class Supervisor:
             signal.signal(sig, self._forward)
         gc.collect()
         gc.freeze()  # the imported modules' objects stay shared with every child, not copied on first touch
+        # The command's start ran without the collector (``pipeline.cli``); this process lives as long as
+        # the pod, and what it does per restart (log records, exceptions and their tracebacks) makes cycles.
+        gc.enable()
         watch_w: int | None = None
         while True:
             started = time.monotonic()

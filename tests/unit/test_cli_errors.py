@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,16 @@ def test_actuator_refuses_an_out_of_range_breaker_share() -> None:
     code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE": "2"})
     assert code != 0
     assert "XIDFLOW_ACTUATOR_BREAKER_MAX_SHARE" in out
+
+
+@pytest.mark.parametrize("command", [["actuator"], ["worker", "--bootstrap", "127.0.0.1:1"]])
+def test_a_refused_service_start_turns_the_garbage_collector_back_on(command: list[str]) -> None:
+    # A service's start runs without the collector (pipeline.cli); a start that stops at a sentence must not
+    # leave it off in the process that ran the command (this one, under the test runner).
+    assert gc.isenabled()
+    code, _ = run(command, {"XIDFLOW_GC_THRESHOLD0": "1"})  # below its minimum: refused before anything runs
+    assert code != 0
+    assert gc.isenabled()
 
 
 def test_actuator_refuses_a_policy_file_naming_the_bad_field(tmp_path: Path) -> None:

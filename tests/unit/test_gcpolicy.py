@@ -35,3 +35,12 @@ def test_nonsense_is_refused(monkeypatch: pytest.MonkeyPatch, name: str, value: 
     monkeypatch.setenv(f"XIDFLOW_GC_{name}", value)
     with pytest.raises(ValueError, match=name.lower()):
         GcSettings()
+
+
+def test_a_service_start_that_paused_the_collector_gets_it_back(restored_gc: None) -> None:
+    gc.disable()  # what pipeline.cli does for the start of worker and actuator
+    try:
+        tune()
+        assert gc.isenabled()
+    finally:
+        gc.enable()
