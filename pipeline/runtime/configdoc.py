@@ -6,8 +6,11 @@ committed file is stale, so the reference cannot drift from the code.
 
 from __future__ import annotations
 
+import ast
 import importlib
+import inspect
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -71,9 +74,30 @@ def _plain(value: Any) -> str:
     return str(value)
 
 
-def _description(field: FieldInfo) -> str:
-    text = (field.description or "").replace("\n", " ").replace("|", "\\|").strip()
+def _description(field: FieldInfo, docstring: str | None = None) -> str:
+    text = (field.description or docstring or "").replace("\n", " ").replace("|", "\\|").strip()
     return text or "-"
+
+
+def attribute_docstrings(cls: type) -> dict[str, str]:
+    """The string under each field of a class (``pipeline.actuator.settings``'s style), by field name.
+
+    Read here from the source, not by pydantic at import (``use_attribute_docstrings``): on Python 3.11
+    pydantic finds the class's source by walking the import's frames, and its first ``inspect.getmodule``
+    resolves the file of every loaded module, ~50 ms of CPU of each ``xidflow actuator`` start (issue 22,
+    a restarted container's critical path). Cleaned as pydantic cleans them (``inspect.cleandoc``).
+    """
+    try:
+        source = textwrap.dedent(inspect.getsource(cls))
+    except (OSError, TypeError):  # no source file (a class built at run time): its descriptions only
+        return {}
+    body = next(node.body for node in ast.parse(source).body if isinstance(node, ast.ClassDef))
+    found: dict[str, str] = {}
+    for field, doc in zip(body, body[1:], strict=False):
+        if (isinstance(field, ast.AnnAssign) and isinstance(field.target, ast.Name) and isinstance(doc, ast.Expr)
+                and isinstance(doc.value, ast.Constant) and isinstance(doc.value.value, str)):
+            found[field.target.id] = inspect.cleandoc(doc.value.value)
+    return found
 
 
 def render() -> str:
@@ -88,8 +112,10 @@ def render() -> str:
         cls = getattr(importlib.import_module(module_name), class_name)
         lines += [f"## {title}", "", f"`{module_name}.{class_name}`", "",
                   "| variable | default | meaning |", "| --- | --- | --- |"]
+        docs = attribute_docstrings(cls)
         for name, field in cls.model_fields.items():
-            lines.append(f"| `{_env_name(cls, name, field)}` | {_default(field)} | {_description(field)} |")
+            meaning = _description(field, docs.get(name))
+            lines.append(f"| `{_env_name(cls, name, field)}` | {_default(field)} | {meaning} |")
         lines.append("")
     return "\n".join(lines)
 
