@@ -37,7 +37,7 @@ SUBCOMMANDS: dict[str, tuple[str, str]] = {
 SERVICES = frozenset({"worker", "actuator"})
 """The long-lived services: their start runs without the cyclic garbage collector (``LazyGroup.get_command``)."""
 
-_GC_PAUSED = "xidflow.gc_paused"
+_INVOKING, _GC_PAUSED = "xidflow.invoking", "xidflow.gc_paused"
 
 
 class LazyGroup(click.Group):
@@ -49,12 +49,14 @@ class LazyGroup(click.Group):
         if entry is None:
             return None
         module_name, attr = entry[0].split(":")
-        if cmd_name in SERVICES and gc.isenabled():
+        if cmd_name in SERVICES and ctx is not None and ctx.meta.get(_INVOKING) and gc.isenabled():
             # A service's start (a container restart after a crash, issue 22's failover_*_process) imports
             # and builds what lives as long as the process: the collector's dozens of young passes over
             # it free nothing and cost ~0.1 s of CPU before the partitions flow again. On again once the
             # service runs: ``gcpolicy.tune`` (with its thresholds), the supervisor after freezing what its
             # children share, and ``invoke`` whatever else happens (a refused setting, an in-process runner).
+            # Only when the command runs: a caller that only looks the command up (its options, its help)
+            # keeps its collector.
             gc.disable()
             ctx.meta[_GC_PAUSED] = True
         try:
@@ -71,6 +73,7 @@ class LazyGroup(click.Group):
         Settings refused by their class name the environment variable; anything else names the
         error. ``XIDFLOW_DEBUG=1`` lets the traceback through.
         """
+        ctx.meta[_INVOKING] = True
         try:
             return self._invoke(ctx)
         finally:
