@@ -132,6 +132,15 @@ def stable_id(*parts: object) -> str:
     return h.hexdigest()
 
 
+_COMPILED_JSON = ("NodeIncident", "NodeRecovered", "FabricSignal")
+"""Records whose ``to_bytes`` is pydantic's compiled JSON encoder instead of orjson over ``model_dump``: the
+same bytes for records without a float or ``Any`` field (the two encoders agree on strings, integers,
+null, lists and the datetimes pydantic formats either way; tests/unit/test_record_encoding.py), in about
+60% of the time and without the intermediate dict. The aggregation encodes one or two of them per fault
+event. Records that may carry floats (``FaultEvent.detail``) keep orjson: their digits are not proven equal.
+"""
+
+
 class Record(BaseModel):
     """Base of every wire record: JSON via orjson, unknown fields ignored on read."""
 
@@ -236,6 +245,10 @@ class NodeIncident(Record):
     line: str = Field(default="", description="First log line of the incident")
     source_ts: UtcDateTime | None = Field(default=None, description="Log time of the line that opened it")
 
+    def to_bytes(self) -> bytes:
+        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
+        return self.__pydantic_serializer__.to_json(self)
+
 
 class NodeRecovered(Record):
     type: Literal["recovered"] = "recovered"
@@ -245,6 +258,10 @@ class NodeRecovered(Record):
     boot_id: str | None = None
     recovered_at: UtcDateTime = Field(default_factory=utcnow)
     detail: str = ""
+
+    def to_bytes(self) -> bytes:
+        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
+        return self.__pydantic_serializer__.to_json(self)
 
 
 class FabricSignal(Record):
@@ -265,6 +282,10 @@ class FabricSignal(Record):
     fault_class: str = Field(description="nccl_transport, nvlink, sxid or gpu_lost")
     ts: UtcDateTime = Field(description="Log time of the event that started the burst")
     event_ids: list[str] = Field(default_factory=list)
+
+    def to_bytes(self) -> bytes:
+        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
+        return self.__pydantic_serializer__.to_json(self)
 
 
 class SharedPartIncident(Record):
