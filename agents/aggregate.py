@@ -143,7 +143,9 @@ async def _apply_batch(
     for turn, (key, node_events) in enumerate(by_node.items(), 1):
         if turn % _NODES_PER_TURN == 0:
             await _let_others_run()
-        stored: bytes | None = table.get(key)
+        # The store itself (what ``NodeStateTable.write`` fills): the table's own ``get`` runs Faust's
+        # sensors and raises and catches a KeyError for every node without a state yet.
+        stored: bytes | None = table.data.get(key)
         if stored is None:
             state = aggregator.new_state(key.decode("utf-8", "replace"))
         else:
@@ -212,13 +214,21 @@ async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -
     return await xapp.app.producer.send(topic, key, value, partition=None, timestamp=None, headers=None)
 
 
+_INCIDENTS_BY_ACTION: dict[str, Any] = {}
+"""The incident counter's child per action: ``labels()`` takes a lock and builds a key on every call."""
+
+
 def _observe(record: NodeIncident | NodeRecovered | FabricSignal, now: float) -> None:
     if isinstance(record, FabricSignal):
         return  # not an incident: the actuator's shared-part correlation counts them
     if isinstance(record, NodeRecovered):
         metrics.RECOVERIES.labels(record.reason).inc()
         return
-    metrics.INCIDENTS.labels(record.action.value).inc()
+    action = record.action.value
+    counter = _INCIDENTS_BY_ACTION.get(action)
+    if counter is None:
+        counter = _INCIDENTS_BY_ACTION[action] = metrics.INCIDENTS.labels(action)
+    counter.inc()
     if record.revision == 0 and record.source_ts is not None:
         # Log time of the opening line to the incident: the latency a fleet operator cares about.
         metrics.E2E_LATENCY.observe(max(0.0, now - record.source_ts.timestamp()))
