@@ -187,9 +187,9 @@ class Auditor:
                 if not done.done():
                     done.set_exception(exc)
                 continue
-            ack.add_done_callback(lambda f, r=record, t=tell, d=done: self._acked(f, r, t, d))
+            ack.add_done_callback(lambda f, r=record, t=tell, d=done: self._settle_record(f, r, t, d))
 
-    def _acked(
+    def _settle_record(
         self, ack: asyncio.Future[Any], record: RemediationRecord, tell: bool, done: asyncio.Future[None]
     ) -> None:
         if done.done():
