@@ -98,7 +98,13 @@ class Actuator:
         self.topics = topics or TopicNames()
         self.kube = Kube.from_config(kubeconfig, self.settings.api_concurrency)
         self.notifier = notifier if notifier is not None else load_notifier()
-        self.auditor = Auditor(self.kafka.bootstrap_servers, self.topics.name("remediation_audit"), self.notifier)
+        # Audit records wait for what Events and conditions wait for: the taints of a burst go first.
+        self.auditor = Auditor(
+            self.kafka.bootstrap_servers,
+            self.topics.name("remediation_audit"),
+            self.notifier,
+            hold=lambda: self.engine.kube.until_calm(),
+        )
         self.policies = PolicyStore(self.kube, self.settings, policies)
         s = self.settings
         self.breaker = Breaker(
@@ -218,6 +224,7 @@ class Actuator:
         await self.consumer.run()
 
     async def stop(self) -> None:
+        self.auditor.hurry()  # the flows still running finish now: their records are not held for calm
         await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
             await self.gauges.stop()

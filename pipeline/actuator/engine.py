@@ -267,6 +267,10 @@ class Engine:
             return await self._run_steps(ctx)
         finally:
             self._running.pop(plan.node, None)
+            # Its quarantine is over (a skipped plan never started one): the audit records it waits for
+            # below are held until this process is calm (``Auditor.hold``), which a task still counted
+            # as quarantining would put off.
+            self.kube.quarantining(False)
             # The record is done only when every audit record of it is durable.
             await asyncio.gather(*ctx.audits)
 
@@ -334,7 +338,8 @@ class Engine:
             dry_run=self.settings.dry_run,
             details=result.details,
         )
-        ctx.audits.append(asyncio.ensure_future(self.auditor.emit(record)))
+        # Queued, not sent: the auditor sends a flow's records after the taints of a burst, together.
+        ctx.audits.append(self.auditor.submit(record))
 
     async def _audit_now(
         self,

@@ -184,7 +184,7 @@ class PriorityLimiter:
         if not self.urgent:
             self._calm.set()
 
-    async def _hold(self) -> None:
+    async def hold(self) -> None:
         """Until calm, while a quarantine started or ended within ``hold_s``; ``max_hold_s`` at most."""
         loop = asyncio.get_running_loop()
         give_up = loop.time() + self.max_hold_s
@@ -199,7 +199,7 @@ class PriorityLimiter:
     async def acquire(self, priority: int) -> bool:
         """Wait for a slot; True when it is a reserved one (hand that back to ``release``)."""
         if priority >= 1 and not self._calm.is_set():
-            await self._hold()
+            await self.hold()
         if self._free > 0 and not self._waiters:
             self._free -= 1
             return False
@@ -364,6 +364,11 @@ class Kube:
             counted.urgency(-1)  # the limiter that counted it, even if the client was swapped since
             _QUARANTINING.set(None)
         API_PRIORITY.set(0 if on else 1)
+
+    async def until_calm(self) -> None:
+        """What an Event or condition call waits for before it queues (``PriorityLimiter.hold``): until no
+        quarantine of this process is in flight, bounded. The auditor holds its records on it too."""
+        await self._limiter.hold()
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
