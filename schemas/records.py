@@ -132,15 +132,6 @@ def stable_id(*parts: object) -> str:
     return h.hexdigest()
 
 
-_COMPILED_JSON = ("NodeIncident", "NodeRecovered", "FabricSignal")
-"""Records whose ``to_bytes`` is pydantic's compiled JSON encoder instead of orjson over ``model_dump``: the
-same bytes for records without a float or ``Any`` field (the two encoders agree on strings, integers,
-null, lists and the datetimes pydantic formats either way; tests/unit/test_record_encoding.py), in about
-60% of the time and without the intermediate dict. The aggregation encodes one or two of them per fault
-event. Records that may carry floats (``FaultEvent.detail``) keep orjson: their digits are not proven equal.
-"""
-
-
 class Record(BaseModel):
     """Base of every wire record: JSON via orjson, unknown fields ignored on read."""
 
@@ -157,6 +148,20 @@ class Record(BaseModel):
 
 
 R = TypeVar("R", bound=Record)
+
+
+class CompiledJsonRecord(Record):
+    """A record whose ``to_bytes`` is pydantic's compiled JSON encoder instead of orjson over ``model_dump``.
+
+    The same bytes for records without a float or ``Any`` field (the two encoders agree on strings, integers,
+    null, lists and the datetimes pydantic formats either way; tests/unit/test_record_encoding.py checks both
+    the bytes and that no subclass has such a field), in about 60% of the time and without the intermediate
+    dict. The aggregation encodes one or two of them per fault event. Records that may carry floats
+    (``FaultEvent.detail``) keep orjson: their digits are not proven equal.
+    """
+
+    def to_bytes(self) -> bytes:
+        return self.__pydantic_serializer__.to_json(self)
 
 
 class LogRecord(Record):
@@ -219,7 +224,7 @@ class FaultEvent(Record):
         return self.action.quarantines
 
 
-class NodeIncident(Record):
+class NodeIncident(CompiledJsonRecord):
     """A debounced, classified decision about one node."""
 
     type: Literal["incident"] = "incident"
@@ -245,12 +250,8 @@ class NodeIncident(Record):
     line: str = Field(default="", description="First log line of the incident")
     source_ts: UtcDateTime | None = Field(default=None, description="Log time of the line that opened it")
 
-    def to_bytes(self) -> bytes:
-        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
-        return self.__pydantic_serializer__.to_json(self)
 
-
-class NodeRecovered(Record):
+class NodeRecovered(CompiledJsonRecord):
     type: Literal["recovered"] = "recovered"
     incident_id: str
     node: str
@@ -259,12 +260,8 @@ class NodeRecovered(Record):
     recovered_at: UtcDateTime = Field(default_factory=utcnow)
     detail: str = ""
 
-    def to_bytes(self) -> bytes:
-        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
-        return self.__pydantic_serializer__.to_json(self)
 
-
-class FabricSignal(Record):
+class FabricSignal(CompiledJsonRecord):
     """A node reported a fabric-class fault (NCCL transport, NVLink, SXid, fallen off the bus).
 
     Emitted by the aggregation on ``gpu.fabric.signals``, keyed by node, at most once per node per
@@ -282,10 +279,6 @@ class FabricSignal(Record):
     fault_class: str = Field(description="nccl_transport, nvlink, sxid or gpu_lost")
     ts: UtcDateTime = Field(description="Log time of the event that started the burst")
     event_ids: list[str] = Field(default_factory=list)
-
-    def to_bytes(self) -> bytes:
-        # pydantic's compiled encoder: the same bytes as ``Record.to_bytes`` here (``_COMPILED_JSON``).
-        return self.__pydantic_serializer__.to_json(self)
 
 
 class SharedPartIncident(Record):
