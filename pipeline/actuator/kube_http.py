@@ -101,7 +101,6 @@ class HttpCalls:
         elif loop.is_running():
             asyncio.run_coroutine_threadsafe(session.close(), loop)
 
-
     async def _request(
         self,
         method: str,

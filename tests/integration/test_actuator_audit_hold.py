@@ -4,11 +4,10 @@ in order, and durable before the flow that wrote them is done (``pipeline.actuat
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 
-from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.audit import Auditor, make_record
 from pipeline.actuator.testing import make_incident, read_audit, wait_until
 from pipeline.kafka.admin import ensure_topics
@@ -16,14 +15,6 @@ from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
-
-
-@pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=4)
-    yield world
-    await world.close()
 
 
 async def test_a_flows_audit_waits_for_the_other_quarantines_then_comes_whole_and_in_order(env: Env) -> None:
