@@ -22,6 +22,10 @@ import time
 ENV = "XIDFLOW_START_TIMELINE"
 """The file the marks are appended to (unset: no marks). Set by ``xidflow bench``, not a deployment setting."""
 
+_PATH = os.environ.get(ENV) or None
+"""Read once: ``mark`` is also called on hot paths (the actuator's first record handled, once per record),
+where unset it must cost nothing. The variable is given to a process at its start (``xidflow bench``)."""
+
 _seen: set[tuple[int, str]] = set()
 
 
@@ -40,8 +44,8 @@ def process_started_at(pid: int | None = None) -> float | None:
 
 def mark(name: str) -> None:
     """Record that this process reached ``name`` now (once per process and name; nothing when unset)."""
-    path = os.environ.get(ENV)
-    if not path:
+    path = _PATH
+    if path is None:
         return
     now, pid = time.time(), os.getpid()
     if (pid, name) in _seen:
