@@ -382,6 +382,15 @@ class Kube:
             await self.http.aclose()
         self.close()
 
+    async def raw_get(self, path: str) -> bytes:
+        """A GET outside the calls above, its body unparsed (the bench's read of the API server's ``/metrics``)."""
+        if self.http is None:
+            raise KubeUnavailable("raw_get needs the aiohttp transport (HttpCalls.usable)")
+        try:
+            return await self.http.get_raw(path)
+        except ApiException as exc:
+            raise _map_error(exc) from None
+
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         reserved = await self._limiter.acquire(API_PRIORITY.get())

@@ -131,6 +131,10 @@ class HttpCalls:
                 raise ApiException(status=resp.status, reason=resp.reason, body=raw.decode("utf-8", "replace"))
             return _Raw(raw)
 
+    async def get_raw(self, path: str) -> bytes:
+        """Any GET, its body as it came (the bench reads the API server's own ``/metrics``)."""
+        return (await self._request("GET", path, limits=(5, 60))).data
+
     # -- the official client's method names and arguments (the subset ``Kube`` passes) ----------------------------
     async def read_node(self, name: str, *, _request_timeout: tuple[float, float], **_: Any) -> _Raw:
         return await self._request("GET", f"/api/v1/nodes/{_q(name)}", limits=_request_timeout)

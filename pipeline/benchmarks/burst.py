@@ -38,7 +38,7 @@ from typing import Any
 
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
-from pipeline.benchmarks import procstat
+from pipeline.benchmarks import apimetrics, procstat
 from pipeline.benchmarks.burst_watch import (
     FATAL_LINE,
     PACE_S,
@@ -103,6 +103,7 @@ async def run_scenario(
         await tail.start()
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
         topic = world.topics.name("logs_kernel")
+        api_before = await api_snapshot(world)
         cpu_before = cpu_seconds(world)
         if not pace_until_done:
             futures = []
@@ -130,6 +131,8 @@ async def run_scenario(
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
         extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+        api_tainted = await api_snapshot(world)
+        extra.update(api_keys(f"{prefix}_api", api_before, api_tainted, len(sent)))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events"),
@@ -146,6 +149,8 @@ async def run_scenario(
             # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
             # until after the last taint is still work.
             out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+            # What the flows still asked of the API server after the last taint (Events, conditions).
+            out.update(api_keys(f"{prefix}_settled_api", api_tainted, await api_snapshot(world), len(sent)))
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
             progress(f"{prefix}: bare client", 1, 1)
             progress(f"{prefix}: floor", 0, 1)
@@ -209,10 +214,12 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
     names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
     await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
     kube = Kube.from_config(world.kubeconfig, concurrency)
+    api_before = await api_snapshot(world)
     cpu_before = cpu_seconds(world)
     try:
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
         cpu = cpu_spent(cpu_before, cpu_seconds(world))
+        api = api_keys(f"{prefix}_raw_api", api_before, await api_snapshot(world), world.nodes)
     finally:
         await kube.aclose()
         with contextlib.suppress(Exception):
@@ -223,10 +230,30 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
         f"{prefix}_raw_nodes_per_s": round(rate, 1),
         f"{prefix}_raw_concurrency": concurrency,
         f"{prefix}_raw_cpu_s": cpu,
+        **api,
     }
     if p99_ms is not None:
         out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+async def api_snapshot(world: World) -> apimetrics.Snapshot | None:
+    """The API server's own counters now (``pipeline.benchmarks.apimetrics``); None where it does not answer."""
+    try:
+        return await apimetrics.scrape(world.kube)
+    except Exception:  # a profile, not the figure: a run without it still has its latencies
+        return None
+
+
+def api_keys(
+    key: str, before: apimetrics.Snapshot | None, after: apimetrics.Snapshot | None, nodes: int
+) -> dict[str, Any]:
+    """``<key>`` (``apimetrics.delta``: requests by kind, per node, watch events, new connections) and
+    ``<key>_requests`` (their total), or nothing when a reading is missing. Pure."""
+    if before is None or after is None:
+        return {}
+    d = apimetrics.delta(before, after, nodes)
+    return {key: d, f"{key}_requests": d["requests_total"]}
 
 
 async def floor(world: World, prefix: str, raw_ms: float | None) -> dict[str, Any]:
