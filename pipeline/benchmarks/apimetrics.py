@@ -22,6 +22,7 @@ _LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
 _REQUESTS = "apiserver_request_total"
 _DURATION = "apiserver_request_duration_seconds_sum"
 _WATCH = "apiserver_watch_events_total"
+_WATCH_BYTES = "apiserver_watch_events_sizes_sum"
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,9 @@ class Snapshot:
     """the same keys -> the API server's summed request duration so far"""
     watch_events: dict[str, float] = field(default_factory=dict)
     """kind -> watch events sent so far"""
+    watch_bytes: dict[str, float] = field(default_factory=dict)
+    """kind -> their summed size in bytes (the objects' size: a Node with xidflow's conditions and ledger weighs
+    more to write, store and send than a bare one)"""
     sockets: frozenset[int] = frozenset()
     """inodes of the TCP connections to the API server's port open at the reading (``connections``)"""
 
@@ -46,25 +50,27 @@ def parse(text: str, sockets: frozenset[int] = frozenset()) -> Snapshot:
     requests: dict[str, float] = {}
     seconds: dict[str, float] = {}
     watch: dict[str, float] = {}
+    watch_bytes: dict[str, float] = {}
     for line in text.splitlines():
-        if not line.startswith(("apiserver_request_", "apiserver_watch_events_total")):
+        if not line.startswith(("apiserver_request_", "apiserver_watch_events_")):
             continue
         m = _LINE.match(line)
         if m is None:
             continue
         name = m["name"]
-        if name not in (_REQUESTS, _DURATION, _WATCH):
+        if name not in (_REQUESTS, _DURATION, _WATCH, _WATCH_BYTES):
             continue
         labels = dict(_LABEL.findall(m["labels"] or ""))
         value = float(m["value"])
-        if name == _WATCH:
+        if name in (_WATCH, _WATCH_BYTES):
             kind = labels.get("kind") or labels.get("resource", "?")
-            watch[kind] = watch.get(kind, 0) + value
+            target = watch if name == _WATCH else watch_bytes
+            target[kind] = target.get(kind, 0) + value
         else:
             target = requests if name == _REQUESTS else seconds
             k = _key(labels)
             target[k] = target.get(k, 0) + value
-    return Snapshot(requests, seconds, watch, sockets)
+    return Snapshot(requests, seconds, watch, watch_bytes, sockets)
 
 
 def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
@@ -72,7 +78,8 @@ def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
 
     ``requests``: ``VERB resource`` -> count (zeros left out); ``per_node``: the same / ``nodes``;
     ``request_s``: its summed request time per kind (watches' long-running time left out);
-    ``watch_events``: kind -> events sent; ``new_connections``: TCP connections to it opened meanwhile
+    ``watch_events``: kind -> events sent, ``watch_event_bytes``: kind -> their mean size;
+    ``new_connections``: TCP connections to it opened meanwhile
     (still open at the second reading; a connection opened and closed between the readings is missed).
     """
 
@@ -81,12 +88,15 @@ def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
 
     requests = {k: int(v) for k, v in diff(before.requests, after.requests).items()}
     seconds = {k: v for k, v in diff(before.seconds, after.seconds).items() if not k.startswith("WATCH")}
+    events = {k: int(v) for k, v in diff(before.watch_events, after.watch_events).items()}
     return {
         "requests": requests,
         "per_node": {k: round(v / nodes, 2) for k, v in requests.items()} if nodes else {},
         "requests_total": sum(requests.values()),
         "request_s": {k: round(v, 2) for k, v in seconds.items()},
-        "watch_events": {k: int(v) for k, v in diff(before.watch_events, after.watch_events).items()},
+        "watch_events": events,
+        "watch_event_bytes": {k: round(v / events[k]) for k, v in diff(before.watch_bytes, after.watch_bytes).items()
+                              if events.get(k)},
         "new_connections": len(after.sockets - before.sockets),
     }
 

@@ -20,9 +20,12 @@ _BEFORE = (
     + _line("apiserver_request_duration_seconds_sum", "PATCH", "", 0.5)
     + _line("apiserver_request_duration_seconds_count", "PATCH", "", 11)
     + 'apiserver_watch_events_total{group="",kind="Node",version="v1"} 100\n'
+    + 'apiserver_watch_events_sizes_sum{group="",kind="Node",version="v1"} 300000\n'
 )
 
-_AFTER = _BEFORE.replace("} 10\n", "} 30\n").replace("} 0.5\n", "} 2.5\n").replace("} 100\n", "} 160\n") + (
+_AFTER = _BEFORE.replace("} 10\n", "} 30\n").replace("} 0.5\n", "} 2.5\n").replace("} 100\n", "} 160\n").replace(
+    "} 300000\n", "} 540000\n"
+) + (
     'apiserver_request_total{code="201",component="apiserver",dry_run="",group="",resource="events",'
     'scope="resource",subresource="",verb="POST",version="v1"} 20\n'
 )
@@ -36,6 +39,7 @@ def test_a_window_counts_requests_by_verb_and_resource_every_code_together_and_p
     assert d["requests_total"] == 40
     assert d["request_s"] == {"PATCH nodes": 2.0}
     assert d["watch_events"] == {"Node": 60}
+    assert d["watch_event_bytes"] == {"Node": 4000}
 
 
 def test_subresources_are_their_own_kind_and_codes_add_up() -> None:
