@@ -97,6 +97,9 @@ async def run_scenario(
         progress(f"{prefix}: setup", 1, 1)
         if before is not None:
             extra.update(await before(world))
+        # A node of the fleet as the burst finds it (xidflow's conditions on it): the bare client's second
+        # run writes nodes shaped like it (``bare_client_baseline``).
+        template = await world.kube.get_node(world.names[0]) if baseline else None
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         tail = IncidentTail(world)
@@ -152,6 +155,9 @@ async def run_scenario(
             # What the flows still asked of the API server after the last taint (Events, conditions).
             out.update(api_keys(f"{prefix}_settled_api", api_tainted, await api_snapshot(world), len(sent)))
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
+            if template is not None:
+                out[f"{prefix}_node_bytes"] = node_bytes(template)
+                out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms"), template))
             progress(f"{prefix}: bare client", 1, 1)
             progress(f"{prefix}: floor", 0, 1)
             out.update(await floor(world, prefix, out.get(f"{prefix}_raw_ms")))
@@ -196,7 +202,9 @@ def cpu_spent(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, 
     }
 
 
-async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) -> dict[str, Any]:
+async def bare_client_baseline(
+    world: World, prefix: str, p99_ms: float | None, template: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The API server's own time for the scenario's N taints, measured in the same run.
 
     A bare client (``pipeline.benchmarks.storm.raw_quarantine_rate``: per node the read and the
@@ -206,35 +214,83 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
     ``<prefix>_raw_ms`` (its time for the N writes), ``<prefix>_raw_nodes_per_s`` and
     ``<prefix>_vs_raw_ratio`` = the scenario's p99 / ``<prefix>_raw_ms`` (1.0: the pipeline adds
     nothing to the API server's own time).
+
+    With ``template`` (a node of the scenario's fleet) the N nodes are made like it (``alike``: GPU labels,
+    capacity, xidflow's conditions) instead of bare, and the keys are ``<prefix>_raw_alike_*`` (and
+    ``<prefix>_vs_raw_alike_ratio``): the API server's work per write grows with the object (decoded,
+    patched, encoded, stored and sent to each watcher), and a profile found the fleet's nodes 5x the
+    bare ones.
     """
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.benchmarks.storm import raw_quarantine_rate
 
     concurrency = ActuatorSettings().api_concurrency * world.actuators
-    names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
-    await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
+    raw = "raw_alike" if template is not None else "raw"
+    names = [f"b{world.tag}-{raw.replace('_', '-')}-{i:05d}" for i in range(world.nodes)]
+    labels = {"xidflow.bench/burst-raw": world.tag}
+    if template is None:
+        await create_nodes(world.kube, names, labels)
+    else:
+        sem = asyncio.Semaphore(32)
+
+        async def make(name: str) -> None:
+            async with sem:
+                await world.kube._call(world.kube.core.create_node, alike(template, name, labels, world.selector))
+
+        await asyncio.gather(*(make(n) for n in names))
     kube = Kube.from_config(world.kubeconfig, concurrency)
     api_before = await api_snapshot(world)
     cpu_before = cpu_seconds(world)
     try:
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
         cpu = cpu_spent(cpu_before, cpu_seconds(world))
-        api = api_keys(f"{prefix}_raw_api", api_before, await api_snapshot(world), world.nodes)
+        api = api_keys(f"{prefix}_{raw}_api", api_before, await api_snapshot(world), world.nodes)
     finally:
         await kube.aclose()
         with contextlib.suppress(Exception):
             await delete_nodes(world.kube, names)
     raw_ms = world.nodes / rate * 1000
     out: dict[str, Any] = {
-        f"{prefix}_raw_ms": round(raw_ms, 1),
-        f"{prefix}_raw_nodes_per_s": round(rate, 1),
-        f"{prefix}_raw_concurrency": concurrency,
-        f"{prefix}_raw_cpu_s": cpu,
+        f"{prefix}_{raw}_ms": round(raw_ms, 1),
+        f"{prefix}_{raw}_nodes_per_s": round(rate, 1),
+        f"{prefix}_{raw}_concurrency": concurrency,
+        f"{prefix}_{raw}_cpu_s": cpu,
         **api,
     }
     if p99_ms is not None:
-        out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
+        out[f"{prefix}_vs_{raw}_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+def alike(template: dict[str, Any], name: str, labels: dict[str, str], selector: str) -> dict[str, Any]:
+    """A Node to create like ``template`` (labels, status: capacity, conditions, node info) under another name,
+    without the scenario's selector label (the actuators must not own it) and with ``labels``. Pure."""
+    key = selector.split("=", 1)[0]
+    kept = {k: v for k, v in (template["metadata"].get("labels") or {}).items() if k != key}
+    if "kubernetes.io/hostname" in kept:
+        kept["kubernetes.io/hostname"] = name
+    status = {k: v for k, v in (template.get("status") or {}).items() if k in ("capacity", "allocatable", "conditions",
+                                                                                 "nodeInfo", "addresses")}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {**kept, **labels}},
+            "status": status}
+
+
+def node_bytes(node: dict[str, Any]) -> dict[str, int]:
+    """A Node's JSON size in bytes, whole and by part (where the API server's per-write work goes). Pure."""
+    import orjson
+
+    meta = node.get("metadata") or {}
+    status = node.get("status") or {}
+    parts = {
+        "total": node,
+        "labels": meta.get("labels") or {},
+        "annotations": meta.get("annotations") or {},
+        "managedFields": meta.get("managedFields") or [],
+        "spec": node.get("spec") or {},
+        "conditions": status.get("conditions") or [],
+        "status_other": {k: v for k, v in status.items() if k != "conditions"},
+    }
+    return {k: len(orjson.dumps(v)) for k, v in parts.items()}
 
 
 async def api_snapshot(world: World) -> apimetrics.Snapshot | None:
