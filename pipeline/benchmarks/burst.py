@@ -100,6 +100,8 @@ async def run_scenario(
         # A node of the fleet as the burst finds it (xidflow's conditions on it): the bare client's second
         # run writes nodes shaped like it (``bare_client_baseline``).
         template = await world.kube.get_node(world.names[0]) if baseline else None
+        if baseline:
+            extra[f"{prefix}_idle_cpu_s"] = await quiet_cpu(world)
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         tail = IncidentTail(world)
@@ -154,6 +156,9 @@ async def run_scenario(
             out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
             # What the flows still asked of the API server after the last taint (Events, conditions).
             out.update(api_keys(f"{prefix}_settled_api", api_tainted, await api_snapshot(world), len(sent)))
+            # The same second's reading as before the burst: whether the world is as idle as it was then (the
+            # broker and the worker still working off the burst would share the cores with the bare client).
+            out[f"{prefix}_raw_before_cpu_s"] = await quiet_cpu(world)
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
             if template is not None:
                 out[f"{prefix}_node_bytes"] = node_bytes(template)
@@ -260,6 +265,13 @@ async def bare_client_baseline(
     if p99_ms is not None:
         out[f"{prefix}_vs_{raw}_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+async def quiet_cpu(world: World, window_s: float = 1.0) -> dict[str, float]:
+    """CPU seconds each of the world's processes used in the next ``window_s`` with nothing asked of them."""
+    before = cpu_seconds(world)
+    await asyncio.sleep(window_s)
+    return {k: v for k, v in cpu_spent(before, cpu_seconds(world)).items() if k != "bench"}
 
 
 def alike(template: dict[str, Any], name: str, labels: dict[str, str], selector: str) -> dict[str, Any]:
