@@ -34,8 +34,9 @@ class Snapshot:
     watch_events: dict[str, float] = field(default_factory=dict)
     """kind -> watch events sent so far"""
     watch_bytes: dict[str, float] = field(default_factory=dict)
-    """kind -> their summed size in bytes (the objects' size: a Node with xidflow's conditions and ledger weighs
-    more to write, store and send than a bare one)"""
+    """kind -> their summed size in bytes. A mean over every watcher, whatever its encoding (the bench's and the
+    actuators' watches read JSON; a watcher of the whole fleet that also saw the bare client's nodes is likely
+    a protobuf one): compare windows with the same watchers only; ``burst.node_bytes`` gives a Node's JSON size."""
     sockets: frozenset[int] = frozenset()
     """inodes of the TCP connections to the API server's port open at the reading (``connections``)"""
 
