@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import logging
 from typing import Any
@@ -97,6 +98,8 @@ class Actuator:
         self.kafka = kafka or kafka_clients.load_settings()  # refuses bad KAFKA_* naming the variable
         self.topics = topics or TopicNames()
         self.kube = Kube.from_config(kubeconfig, self.settings.api_concurrency)
+        self._keep_warm: asyncio.Task[None] | None = None
+        """``Kube.keep_warm`` while consuming."""
         self.notifier = notifier if notifier is not None else load_notifier()
         # Audit records wait for what Events and conditions wait for: the taints of a burst go first.
         self.auditor = Auditor(
@@ -214,6 +217,8 @@ class Actuator:
             await self.notifier.start()
         self._consuming = consume
         if consume:
+            if every := self.settings.api_keep_warm_seconds:
+                self._keep_warm = asyncio.create_task(self.kube.keep_warm(every), name="kube-keep-warm")
             self.reconciler.start()
             await self.consumer.start()
             mark("consumer")
@@ -227,6 +232,11 @@ class Actuator:
         self.auditor.hurry()  # the flows still running finish now: their records are not held for calm
         await self.policies.stop_watching()
         if getattr(self, "_consuming", False):
+            keep_warm, self._keep_warm = self._keep_warm, None
+            if keep_warm is not None:
+                keep_warm.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await keep_warm
             await self.gauges.stop()
             await self.lag.stop()
             # The reconciler first: the long steps it drives hand their leases over before we leave the group.

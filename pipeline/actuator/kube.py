@@ -149,6 +149,7 @@ class PriorityLimiter:
         max_hold_s: float = URGENT_MAX_HOLD_S,
     ) -> None:
         self._free = limit
+        self.limit = limit
         self._reserve_free = reserve
         self._waiters: list[tuple[int, int, asyncio.Future[bool]]] = []
         self._seq = itertools.count()
@@ -214,6 +215,10 @@ class PriorityLimiter:
             if fut.done() and not fut.cancelled():
                 self.release(fut.result())  # we were handed the slot just as we were cancelled: pass it on
             raise
+
+    def free_now(self) -> int:
+        """Regular slots nobody holds or waits for right now (0 while quarantines are in flight)."""
+        return 0 if self.urgent or self._waiters else self._free
 
     def release(self, reserved: bool = False) -> None:
         """Hand a slot back: to the first waiter (a reserved one only to a negative-priority waiter)."""
@@ -381,6 +386,29 @@ class Kube:
         if self.http is not None:
             await self.http.aclose()
         self.close()
+
+    async def keep_warm(self, every_s: float) -> None:
+        """Keep a connection open for every call slot (``HttpCalls.warm``): now, then every ``every_s``
+        for the slots idle at that moment (busy ones keep their connection warm by their calls). Never
+        while a quarantine is in flight (``PriorityLimiter.free_now``): its calls must not wait behind
+        these. Runs until cancelled; a failed round is tried again at the next."""
+        if self.http is None:
+            return
+        while True:
+            n = self._limiter.free_now()
+            if n:
+                with contextlib.suppress(Exception):  # an unreachable API server: the next round tries again
+                    await self.http.warm(n)
+            await asyncio.sleep(every_s)
+
+    async def raw_get(self, path: str) -> bytes:
+        """A GET outside the calls above, its body unparsed (the bench's read of the API server's ``/metrics``)."""
+        if self.http is None:
+            raise KubeUnavailable("raw_get needs the aiohttp transport (HttpCalls.usable)")
+        try:
+            return await self.http.get_raw(path)
+        except ApiException as exc:
+            raise _map_error(exc) from None
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()

@@ -88,6 +88,10 @@ class ActuatorSettings(BaseSettings):
     """Quarantine taint effect when a rule does not set one. Default ``NoSchedule``."""
     api_concurrency: int = Field(default=32, ge=1)
     """Parallel Kubernetes API calls (thread pool size). Default 32."""
+    api_keep_warm_seconds: float = Field(default=30, ge=0)
+    """How often the connections to the API server of idle call slots are used (a ``GET /version`` each),
+    so that each slot keeps one open and a burst's first calls pay no TLS handshake, in seconds; 0: never.
+    Default 30 (the API server closes a connection idle for 90 s)."""
     max_in_flight: int = Field(default=5000, ge=1)
     """Records fetched but not finished before the consumer pauses fetching. Default 5000."""
     commit_interval_seconds: float = Field(default=0.5, gt=0)

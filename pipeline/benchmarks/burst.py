@@ -38,7 +38,7 @@ from typing import Any
 
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
-from pipeline.benchmarks import procstat
+from pipeline.benchmarks import apimetrics, procstat
 from pipeline.benchmarks.burst_watch import (
     FATAL_LINE,
     PACE_S,
@@ -97,12 +97,18 @@ async def run_scenario(
         progress(f"{prefix}: setup", 1, 1)
         if before is not None:
             extra.update(await before(world))
+        # A node of the fleet as the burst finds it (xidflow's conditions on it): the bare client's second
+        # run writes nodes shaped like it (``bare_client_baseline``).
+        template = await world.kube.get_node(world.names[0]) if baseline else None
+        if baseline:
+            extra[f"{prefix}_idle_cpu_s"] = await quiet_cpu(world)
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         tail = IncidentTail(world)
         await tail.start()
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
         topic = world.topics.name("logs_kernel")
+        api_before = await api_snapshot(world)
         cpu_before = cpu_seconds(world)
         if not pace_until_done:
             futures = []
@@ -130,6 +136,8 @@ async def run_scenario(
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
         extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+        api_tainted = await api_snapshot(world)
+        extra.update(api_keys(f"{prefix}_api", api_before, api_tainted, len(sent)))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events"),
@@ -146,7 +154,15 @@ async def run_scenario(
             # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
             # until after the last taint is still work.
             out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+            # What the flows still asked of the API server after the last taint (Events, conditions).
+            out.update(api_keys(f"{prefix}_settled_api", api_tainted, await api_snapshot(world), len(sent)))
+            # The same second's reading as before the burst: whether the world is as idle as it was then (the
+            # broker and the worker still working off the burst would share the cores with the bare client).
+            out[f"{prefix}_raw_before_cpu_s"] = await quiet_cpu(world)
             out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
+            if template is not None:
+                out[f"{prefix}_node_bytes"] = node_bytes(template)
+                out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms"), template))
             progress(f"{prefix}: bare client", 1, 1)
             progress(f"{prefix}: floor", 0, 1)
             out.update(await floor(world, prefix, out.get(f"{prefix}_raw_ms")))
@@ -191,7 +207,9 @@ def cpu_spent(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, 
     }
 
 
-async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) -> dict[str, Any]:
+async def bare_client_baseline(
+    world: World, prefix: str, p99_ms: float | None, template: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """The API server's own time for the scenario's N taints, measured in the same run.
 
     A bare client (``pipeline.benchmarks.storm.raw_quarantine_rate``: per node the read and the
@@ -201,32 +219,109 @@ async def bare_client_baseline(world: World, prefix: str, p99_ms: float | None) 
     ``<prefix>_raw_ms`` (its time for the N writes), ``<prefix>_raw_nodes_per_s`` and
     ``<prefix>_vs_raw_ratio`` = the scenario's p99 / ``<prefix>_raw_ms`` (1.0: the pipeline adds
     nothing to the API server's own time).
+
+    With ``template`` (a node of the scenario's fleet) the N nodes are made like it (``alike``: GPU labels,
+    capacity, xidflow's conditions) instead of bare, and the keys are ``<prefix>_raw_alike_*`` (and
+    ``<prefix>_vs_raw_alike_ratio``): the API server's work per write grows with the object (decoded,
+    patched, encoded, stored and sent to each watcher), and a profile found the fleet's nodes 5x the
+    bare ones.
     """
     from pipeline.actuator.settings import ActuatorSettings
     from pipeline.benchmarks.storm import raw_quarantine_rate
 
     concurrency = ActuatorSettings().api_concurrency * world.actuators
-    names = [f"b{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
-    await create_nodes(world.kube, names, {"xidflow.bench/burst-raw": world.tag})
+    raw = "raw_alike" if template is not None else "raw"
+    names = [f"b{world.tag}-{raw.replace('_', '-')}-{i:05d}" for i in range(world.nodes)]
+    labels = {"xidflow.bench/burst-raw": world.tag}
+    if template is None:
+        await create_nodes(world.kube, names, labels)
+    else:
+        sem = asyncio.Semaphore(32)
+
+        async def make(name: str) -> None:
+            async with sem:
+                await world.kube._call(world.kube.core.create_node, alike(template, name, labels, world.selector))
+
+        await asyncio.gather(*(make(n) for n in names))
     kube = Kube.from_config(world.kubeconfig, concurrency)
+    api_before = await api_snapshot(world)
     cpu_before = cpu_seconds(world)
     try:
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
         cpu = cpu_spent(cpu_before, cpu_seconds(world))
+        api = api_keys(f"{prefix}_{raw}_api", api_before, await api_snapshot(world), world.nodes)
     finally:
         await kube.aclose()
         with contextlib.suppress(Exception):
             await delete_nodes(world.kube, names)
     raw_ms = world.nodes / rate * 1000
     out: dict[str, Any] = {
-        f"{prefix}_raw_ms": round(raw_ms, 1),
-        f"{prefix}_raw_nodes_per_s": round(rate, 1),
-        f"{prefix}_raw_concurrency": concurrency,
-        f"{prefix}_raw_cpu_s": cpu,
+        f"{prefix}_{raw}_ms": round(raw_ms, 1),
+        f"{prefix}_{raw}_nodes_per_s": round(rate, 1),
+        f"{prefix}_{raw}_concurrency": concurrency,
+        f"{prefix}_{raw}_cpu_s": cpu,
+        **api,
     }
     if p99_ms is not None:
-        out[f"{prefix}_vs_raw_ratio"] = round(p99_ms / raw_ms, 3)
+        out[f"{prefix}_vs_{raw}_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+async def quiet_cpu(world: World, window_s: float = 1.0) -> dict[str, float]:
+    """CPU seconds each of the world's processes used in the next ``window_s`` with nothing asked of them."""
+    before = cpu_seconds(world)
+    await asyncio.sleep(window_s)
+    return {k: v for k, v in cpu_spent(before, cpu_seconds(world)).items() if k != "bench"}
+
+
+def alike(template: dict[str, Any], name: str, labels: dict[str, str], selector: str) -> dict[str, Any]:
+    """A Node to create like ``template`` (labels, status: capacity, conditions, node info) under another name,
+    without the scenario's selector label (the actuators must not own it) and with ``labels``. Pure."""
+    key = selector.split("=", 1)[0]
+    kept = {k: v for k, v in (template["metadata"].get("labels") or {}).items() if k != key}
+    if "kubernetes.io/hostname" in kept:
+        kept["kubernetes.io/hostname"] = name
+    status = {k: v for k, v in (template.get("status") or {}).items() if k in ("capacity", "allocatable", "conditions",
+                                                                                 "nodeInfo", "addresses")}
+    return {"apiVersion": "v1", "kind": "Node", "metadata": {"name": name, "labels": {**kept, **labels}},
+            "status": status}
+
+
+def node_bytes(node: dict[str, Any]) -> dict[str, int]:
+    """A Node's JSON size in bytes, whole and by part (where the API server's per-write work goes). Pure."""
+    import orjson
+
+    meta = node.get("metadata") or {}
+    status = node.get("status") or {}
+    parts = {
+        "total": node,
+        "labels": meta.get("labels") or {},
+        "annotations": meta.get("annotations") or {},
+        "managedFields": meta.get("managedFields") or [],
+        "spec": node.get("spec") or {},
+        "conditions": status.get("conditions") or [],
+        "status_other": {k: v for k, v in status.items() if k != "conditions"},
+    }
+    return {k: len(orjson.dumps(v)) for k, v in parts.items()}
+
+
+async def api_snapshot(world: World) -> apimetrics.Snapshot | None:
+    """The API server's own counters now (``pipeline.benchmarks.apimetrics``); None where it does not answer."""
+    try:
+        return await apimetrics.scrape(world.kube)
+    except Exception:  # a profile, not the figure: a run without it still has its latencies
+        return None
+
+
+def api_keys(
+    key: str, before: apimetrics.Snapshot | None, after: apimetrics.Snapshot | None, nodes: int
+) -> dict[str, Any]:
+    """``<key>`` (``apimetrics.delta``: requests by kind, per node, watch events, new connections) and
+    ``<key>_requests`` (their total), or nothing when a reading is missing. Pure."""
+    if before is None or after is None:
+        return {}
+    d = apimetrics.delta(before, after, nodes)
+    return {key: d, f"{key}_requests": d["requests_total"]}
 
 
 async def floor(world: World, prefix: str, raw_ms: float | None) -> dict[str, Any]:

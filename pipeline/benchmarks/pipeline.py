@@ -29,6 +29,11 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   ``_parse``/``_aggregate`` (worker) and ``_actuator`` shares.
   The burst also times a bare client writing the same N taints in the same run (``burst_raw_ms``)
   and reports ``burst_vs_raw_ratio`` = ``burst_p99_ms`` / ``burst_raw_ms``.
+  A second bare run writes nodes made like the fleet's (GPU labels and capacity, xidflow's conditions:
+  ``burst_raw_alike_ms``, ``burst_vs_raw_alike_ratio``; ``burst_node_bytes`` gives a fleet node's size by part),
+  and ``burst_api`` / ``burst_raw_api`` / ``burst_raw_alike_api`` / ``burst_settled_api`` count what the API
+  server did in each window (``pipeline.benchmarks.apimetrics``: requests by verb and resource, watch events,
+  new connections).
   Then its floor (``pipeline.benchmarks.burst_floor``): the same N lines through one plain consumer
   process to the same bare client, ``burst_floor_p99_ms`` and ``burst_floor_vs_raw_ratio``.
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes

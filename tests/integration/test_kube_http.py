@@ -150,3 +150,46 @@ async def test_an_eviction_whose_flow_was_cancelled_while_it_waited_for_its_thre
     finally:
         await evicting.aclose()
         await delete_nodes(kube, [node])
+
+
+def own_connections(kube: Kube) -> frozenset[int]:
+    """This process's established connections to the API server, as socket inodes."""
+    import os
+    from urllib.parse import urlparse
+
+    from pipeline.benchmarks.apimetrics import connections
+
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            if target.startswith("socket:["):
+                mine.add(int(target[8:-1]))
+    return connections(urlparse(kube.api_client.configuration.host).port or 443) & mine
+
+
+async def test_an_idle_kube_keeps_a_connection_per_call_slot_so_a_burst_opens_none(
+    kubeconfig: str, unique: Callable[[str], str]
+) -> None:
+    # A burst after a quiet spell opened a new TLS connection per call slot, while the taints waited for
+    # the API server's CPU: the slots' connections are opened before, and kept.
+    node = unique("warm")
+    kube = Kube.from_config(kubeconfig, 4)
+    await create_nodes(kube, [node], {"xidflow.test/http": "1"})
+    before = own_connections(kube)
+    warm = asyncio.create_task(kube.keep_warm(3600))
+    try:
+        for _ in range(300):
+            if len(own_connections(kube) - before) >= 4:
+                break
+            await asyncio.sleep(0.1)
+        opened = own_connections(kube)
+        assert len(opened - before) >= 4
+        await asyncio.gather(*(kube.get_node(node) for _ in range(4)))
+        assert own_connections(kube) - opened == frozenset()
+    finally:
+        warm.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await warm
+        await delete_nodes(kube, [node])
+        await kube.aclose()

@@ -91,3 +91,27 @@ def test_floor_figures_time_line_to_taint_against_the_bare_client_and_count_a_mi
     assert out["burst_floor_vs_raw_ratio"] == 1.96  # 980 / 500
     assert out["burst_floor_cpu_s"] == {"floor": 0.5}
     assert "burst_floor_vs_raw_ratio" not in floor_figures("burst", sent, tainted, {}, raw_ms=None)
+
+
+def test_the_bare_clients_alike_nodes_copy_the_fleets_shape_without_its_selector() -> None:
+    from pipeline.benchmarks.burst import alike, node_bytes
+
+    template = {
+        "metadata": {
+            "name": "bx-00000", "resourceVersion": "7", "uid": "u",
+            "labels": {"xidflow.bench/burst": "x", "nvidia.com/gpu.count": "8", "kubernetes.io/hostname": "bx-00000"},
+            "annotations": {"a": "b"}, "managedFields": [{"manager": "m"}],
+        },
+        "spec": {},
+        "status": {"conditions": [{"type": "GpuXid", "status": "False"}], "capacity": {"nvidia.com/gpu": "8"},
+                   "daemonEndpoints": {"kubeletEndpoint": {"Port": 0}}},
+    }
+    node = alike(template, "raw-1", {"xidflow.bench/burst-raw": "x"}, "xidflow.bench/burst=x")
+    # Not the actuators' (no selector label), its own hostname, no identity of the template's.
+    assert node["metadata"] == {"name": "raw-1", "labels": {
+        "nvidia.com/gpu.count": "8", "kubernetes.io/hostname": "raw-1", "xidflow.bench/burst-raw": "x"}}
+    assert node["status"] == {"conditions": [{"type": "GpuXid", "status": "False"}],
+                              "capacity": {"nvidia.com/gpu": "8"}}
+    sizes = node_bytes(template)
+    assert sizes["managedFields"] == len('[{"manager":"m"}]')
+    assert sizes["total"] > sizes["labels"] + sizes["conditions"]
