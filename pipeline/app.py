@@ -283,6 +283,9 @@ def declare_app(
         autodiscover=False,
         table_cleanup_interval=3600.0,
         TableManager=upstream.PromptTableManager,
+        # Resolved when the app is built; the worker never makes an HTTP request: aiohttp is imported
+        # only if something does (``upstream.import_faust_types``).
+        HttpClient=upstream.aiohttp_session,
         **kafka_clients.faust_options(),  # TLS/SASL credentials, same as every other client
     )
     raw = {"key_serializer": "raw", "value_serializer": "raw"}

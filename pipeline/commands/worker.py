@@ -45,6 +45,9 @@ def worker(
     from pipeline.runtime.startmarks import mark
 
     mark("command")
+    from pipeline.kafka import upstream
+
+    upstream.import_faust_types()  # before Faust's first import: without aiohttp, which the worker never uses
     import faust
 
     from agents.worker import create_app

@@ -43,6 +43,7 @@ from __future__ import annotations
 import collections
 import functools
 import inspect
+import sys
 import types
 from collections.abc import Callable, Generator, Sequence
 from types import TracebackType
@@ -58,6 +59,48 @@ from pipeline.kafka.undecodable import Failure, Reason
 
 AIOKAFKA_FETCH_MAX_WAIT_MS = 500
 """aiokafka's default fetch wait, what a ``FaustConsumer`` keeps unless a subclass sets another."""
+
+
+# -- Faust's import of aiohttp -------------------------------------------------------------------
+
+
+class _NoHttpClient:
+    """What ``faust.types.web.HttpClientT`` names in a worker: only annotations read it (``import_faust_types``)."""
+
+
+def import_faust_types() -> None:
+    """Import Faust's type modules without aiohttp, which the worker never uses (its web server is off).
+
+    ``faust.types.web`` imports ``aiohttp.client`` only to name its ``ClientSession`` as a type alias, and
+    every Faust app imports that module: aiohttp's import (its SSL contexts load the system's CA store)
+    was ~0.13 s of CPU, a sixth of a restarted worker's imports before it can fork its child (issue 22,
+    ``failover_worker_process``). The alias is bound to a stand-in class while ``faust.types.web`` is
+    imported, and the stand-in is removed at once, so a later ``import aiohttp`` in this process (the
+    actuator's Kubernetes client, Faust's own ``app.http_client``, which resolves the setting
+    ``HttpClient`` = ``"aiohttp.client:ClientSession"`` by name) imports the real one. Nothing when either
+    module is already imported. ``tests/unit/test_faust_types_import.py`` checks both.
+    """
+    if "faust.types.web" in sys.modules or "aiohttp.client" in sys.modules:
+        return
+    stand_in = types.ModuleType("aiohttp.client", "xidflow's stand-in while faust.types.web is imported")
+    stand_in.ClientSession = _NoHttpClient  # type: ignore[attr-defined]
+    sys.modules["aiohttp.client"] = stand_in
+    try:
+        import faust.types.web  # noqa: F401
+    finally:
+        if sys.modules.get("aiohttp.client") is stand_in:
+            del sys.modules["aiohttp.client"]
+
+
+def aiohttp_session(*args: Any, **kwargs: Any) -> Any:
+    """Faust's ``HttpClient`` setting for the worker: an aiohttp ``ClientSession``, aiohttp imported on the call.
+
+    Faust resolves the default (``"aiohttp.client:ClientSession"``) by importing it when the app is built,
+    which would undo ``import_faust_types``; ``app.http_client`` still gets the real session.
+    """
+    from aiohttp.client import ClientSession
+
+    return ClientSession(*args, **kwargs)
 
 
 # -- Faust's consumer ----------------------------------------------------------------------------
