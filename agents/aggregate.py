@@ -34,6 +34,7 @@ from pipeline.aggregate.tickindex import TickIndex
 from pipeline.kafka.fetch_watchdog import GuardedConsumer
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
+from pipeline.runtime.startmarks import mark
 from schemas.records import DeadLetter, DeadLetterCode, FabricSignal, FaultEvent, NodeIncident, NodeRecovered
 
 if TYPE_CHECKING:
@@ -73,6 +74,7 @@ def register(xapp: XidflowApp) -> None:
             events = await batches.take()
             if events is None:
                 return  # the channel ended: Faust is stopping the agent
+            mark("first_batch")  # a restarted worker's start, up to its first work (pipeline.runtime.startmarks)
             taken = events
             consumer = app.consumer
             guarded = isinstance(consumer, GuardedConsumer)

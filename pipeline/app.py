@@ -41,6 +41,7 @@ from pipeline.kafka.fetch_watchdog import FETCH_MAX_WAIT_MS
 from pipeline.kafka.membership import faust_consumer, leave_on_close
 from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime.settings import ConsumerGroupSettings, KafkaSettings, TopicNames
+from pipeline.runtime.startmarks import mark
 
 log = logging.getLogger("xidflow.app")
 
@@ -114,9 +115,14 @@ class NodeStateTable(faust.Table):
         self, assigned: set[Any], revoked: set[Any], newly_assigned: set[Any], generation_id: int = 0
     ) -> None:
         # Faust's public hook, called with the whole new assignment before the restore of the new partitions.
+        mark("assigned")
         await super().on_rebalance(assigned, revoked, newly_assigned, generation_id)
         if self.on_assigned is not None:
             self.on_assigned(set(assigned))
+
+    async def on_recovery_completed(self, active_tps: set[Any], standby_tps: set[Any]) -> None:
+        await super().on_recovery_completed(active_tps, standby_tps)
+        mark("recovered")  # the table is restored: the agent may run (a restarted worker's start timeline)
 
     async def write(self, states: list[tuple[bytes, bytes, int]]) -> asyncio.Future[Any]:
         """Write node states (key, value, changelog partition): sent to the changelog, taken by the store.

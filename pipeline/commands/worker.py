@@ -122,6 +122,7 @@ def worker(
         gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
         xapp = create_app(bootstrap, settings, topics, group=group)
+        mark("built")
         install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)
         faust.Worker(xapp.app, loglevel=level, logging_config=dict_config(level, fmt), quiet=True
                      ).execute_from_commandline()

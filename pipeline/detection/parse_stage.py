@@ -48,6 +48,7 @@ from pipeline.kafka.partitioner import KeyPartitioner
 from pipeline.runtime import metrics
 from pipeline.runtime.liveness import LIVENESS, Component
 from pipeline.runtime.settings import ConsumerGroupSettings, TopicNames
+from pipeline.runtime.startmarks import mark
 from schemas.records import DeadLetter, DeadLetterCode
 
 log = logging.getLogger("xidflow.parse")
@@ -67,6 +68,7 @@ class _Rebalance(ConsumerRebalanceListener):
         self.stage.core.reset()
 
     async def on_partitions_assigned(self, assigned: Any) -> None:
+        mark("parse_assigned")
         self.stage.assigned = set(assigned)
         self.stage.release_held()
         # Commit positions of partitions owned before are not ours to move any more.
