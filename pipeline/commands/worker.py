@@ -76,8 +76,8 @@ def worker(
         settings = WorkerSettings(**{k: v for k, v in overrides.items() if v is not None})
         topics = TopicNames()
         group = ConsumerGroupSettings(**{k: v for k, v in group_overrides.items() if v is not None})
-        AggregationSettings()
-        ParseSettings()
+        aggregation = AggregationSettings()
+        parse_settings = ParseSettings()
         gc_settings = GcSettings()
         Catalog.configured()  # the instance every stage of this process classifies with (overrides included)
     except ValidationError as exc:
@@ -121,7 +121,10 @@ def worker(
         allocator.tune()  # before the first burst: large blocks are then given back when freed
         gcpolicy.tune(gc_settings)  # the collector runs far less often: its CPU is a burst's latency
         serve_metrics(settings.web_port or None, metrics.WORKER, metrics.worker_label_values(topics.raw_inputs))
-        xapp = create_app(bootstrap, settings, topics, group=group)
+        # The settings validated above, not read from the environment again: the child's start is a
+        # restarted worker's critical path (each settings object ~10 ms of CPU).
+        xapp = create_app(bootstrap, settings, topics,
+                          aggregation=aggregation, parse_settings=parse_settings, group=group)
         mark("built")
         install_faust(xapp.app)  # /livez answered by the Faust loop (liveness that sees a stuck loop)
         faust.Worker(xapp.app, loglevel=level, logging_config=dict_config(level, fmt), quiet=True
