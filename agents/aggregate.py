@@ -147,7 +147,6 @@ async def _apply_batch(
     outgoing = _record_batches(xapp)
     for turn, (key, node_events) in enumerate(by_node.items(), 1):
         if turn % _NODES_PER_TURN == 0:
-            await outgoing.send_ready()
             await _let_others_run()
         # The store itself (what ``NodeStateTable.write`` fills): the table's own ``get`` runs Faust's
         # sensors and raises and catches a KeyError for every node without a state yet.
@@ -210,9 +209,9 @@ _NODES_PER_TURN = 64
 
 
 async def _let_others_run() -> None:
-    """A few loop turns in the middle of a long batch: the producer sends what the batch produced so far
-    (its acknowledgements come back meanwhile), the parse stage's fault events go out and the next fetch
-    comes in, instead of all of it waiting for the end of the batch (hundreds of ms on a busy node)."""
+    """A few loop turns in the middle of a long batch: the parse stage's fault events go out and the next
+    fetch comes in, instead of all of it waiting for the end of the batch (hundreds of ms on a busy node).
+    The batch's own incidents are handed to the producer at its end (``RecordBatches.send_all``)."""
     for _ in range(3):
         await asyncio.sleep(0)
 

@@ -41,8 +41,6 @@ async def test_records_land_per_key_partition_in_the_order_added(kafka_bootstrap
                 value = f"{i:05d}".encode() + b"L" * (BATCH_BYTES + 1)  # too large for a batch: sent alone
             await batches.add(topic, key, value)
             added.append((key, value))
-            if i % 64 == 63:
-                await batches.send_ready()
         deliveries = await batches.send_all()
         for delivery in deliveries:
             await delivery  # every batch (and the record sent alone) acknowledged
