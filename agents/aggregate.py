@@ -27,11 +27,15 @@ import time
 from collections.abc import Awaitable
 from typing import TYPE_CHECKING, Any
 
+from aiokafka.partitioner import DefaultPartitioner
+
 from pipeline.aggregate.aggregator import Aggregator
 from pipeline.aggregate.state import NodeState
 from pipeline.aggregate.stream_batches import ChannelBatches
 from pipeline.aggregate.tickindex import TickIndex
+from pipeline.kafka import upstream
 from pipeline.kafka.fetch_watchdog import GuardedConsumer
+from pipeline.kafka.record_batches import RecordBatches
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
 from pipeline.runtime.startmarks import mark
@@ -142,6 +146,7 @@ async def _apply_batch(
     now = time.time()
     new_states: list[tuple[bytes, bytes, int]] = []
     written: list[tuple[bytes, NodeState, int]] = []
+    outgoing = _record_batches(xapp)
     for turn, (key, node_events) in enumerate(by_node.items(), 1):
         if turn % _NODES_PER_TURN == 0:
             await _let_others_run()
@@ -152,7 +157,6 @@ async def _apply_batch(
             state = aggregator.new_state(key.decode("utf-8", "replace"))
         else:
             state = NodeState.from_bytes(stored)
-        outputs: list[NodeIncident | NodeRecovered | FabricSignal] = []
         for event in node_events:
             msg = event.message
             try:
@@ -169,17 +173,23 @@ async def _apply_batch(
                 reason = f"invalid fault event at {msg.topic}[{msg.partition}]@{msg.offset}: {str(exc).splitlines()[0]}"
                 deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
                 continue
-            outputs += out
+            encoded, failure = encode_outputs(out)
+            if failure is not None:
+                # A record the encoders refuse (a lone surrogate in a string) is this event's dead letter,
+                # with whatever it produced besides: the agent goes on with the next event.
+                reason = f"output of {msg.topic}[{msg.partition}]@{msg.offset} not encodable: {failure}"
+                deliveries.append(await _dead(xapp, event, reason, DeadLetterCode.INVALID_RECORD))
+                continue
+            for record, data in encoded:
+                # Gathered per partition into record batches (``RecordBatches``): one producer call per
+                # batch, not per record; all acknowledged together below.
+                topic = signals_topic if isinstance(record, FabricSignal) else incidents_topic
+                await outgoing.add(topic, key, data)
+                _observe(record, now)
         partition = node_events[-1].message.partition
         new_states.append((key, state.to_bytes(), partition))
         written.append((key, state, partition))
-        for record in outputs:
-            # Straight to the producer: Faust's ``Topic.send`` (even with force=True, which bypasses
-            # its "attachments") waits for the broker's acknowledgement of each record before it
-            # returns, one round trip per incident; here they are all awaited together below.
-            topic = signals_topic if isinstance(record, FabricSignal) else incidents_topic
-            deliveries.append(await _send(xapp, topic, key, record.to_bytes()))
-            _observe(record, now)
+    deliveries += await outgoing.send_all()
     # The state is written only after the broker has the incidents (and dead letters): a crash in
     # between replays the events and sends the same incidents again (same ids), never loses one
     # behind a state that says it was sent. The batch is acknowledged (its offsets may be
@@ -201,11 +211,32 @@ _NODES_PER_TURN = 64
 
 
 async def _let_others_run() -> None:
-    """A few loop turns in the middle of a long batch: the producer sends what the batch produced so far
-    (its acknowledgements come back meanwhile), the parse stage's fault events go out and the next fetch
-    comes in, instead of all of it waiting for the end of the batch (hundreds of ms on a busy node)."""
+    """A few loop turns in the middle of a long batch: the parse stage's fault events go out and the next
+    fetch comes in, instead of all of it waiting for the end of the batch (hundreds of ms on a busy node).
+    The batch's own incidents are handed to the producer at its end (``RecordBatches.send_all``)."""
     for _ in range(3):
         await asyncio.sleep(0)
+
+
+Output = NodeIncident | NodeRecovered | FabricSignal
+
+
+def encode_outputs(outputs: list[Output]) -> tuple[list[tuple[Output, bytes]], str | None]:
+    """Each output with its bytes, or (what was encoded, why the first one that could not be was not). Pure."""
+    encoded: list[tuple[Output, bytes]] = []
+    for record in outputs:
+        try:
+            encoded.append((record, record.to_bytes()))
+        except Exception as exc:  # noqa: BLE001 - one record's failure is its event's dead letter
+            return encoded, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return encoded, None
+
+
+def _record_batches(xapp: XidflowApp) -> RecordBatches:
+    """The batch's incidents and fabric signals on their way to the worker's producer, a record batch per partition."""
+    app = xapp.app
+    partitioner = app.conf.producer_partitioner or DefaultPartitioner()
+    return RecordBatches(upstream.faust_producer_client(app), partitioner, app.conf.producer_max_batch_size)
 
 
 async def _send(xapp: XidflowApp, topic: str, key: bytes | None, value: bytes) -> Awaitable[Any]:

@@ -36,6 +36,8 @@ What is used, by whom:
   (``Consumer._drain_messages``); ``FaustConsumer.wait_first`` (mode's public method) runs such a
   callback's first step inline instead of in four tasks (``tests/unit/test_drain_delivery.py``).
 - Faust's ``TableManager``: ``on_start`` without its one-second sleep, calling ``_update_channels``.
+- Faust's aiokafka ``Producer._ensure_producer`` (``faust_producer_client``): the aiokafka producer the
+  aggregation hands its record batches to (``create_batch``/``send_batch``, public in aiokafka).
 """
 
 from __future__ import annotations
@@ -304,6 +306,12 @@ def read_offset(consumer
 def committed_offset(consumer: Any, tp: Any) -> int | None:
     """The offset a Faust consumer last committed for ``tp`` (None: none, or 0; Faust records 0 as None)."""
     return consumer._committed_offset.get(tp)
+
+
+def faust_producer_client(app: Any) -> Any:
+    """The started ``AIOKafkaProducer`` behind a Faust app's producer (the aggregation hands it record
+    batches, ``pipeline.kafka.record_batches``: Faust's own ``send`` is per record)."""
+    return app.producer._ensure_producer()
 
 
 def faust_aiokafka_consumer(app: Any) -> Any:

@@ -32,7 +32,7 @@ from typing import Any
 import faust
 import faust.transport.consumer as faust_consumer_base
 import pytest
-from aiokafka import AIOKafkaConsumer, TopicPartition
+from aiokafka import AIOKafkaConsumer, AIOKafkaProducer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
 from aiokafka.client import AIOKafkaClient
 from aiokafka.consumer.fetcher import Fetcher, FetchResult, PartitionRecords
@@ -89,6 +89,13 @@ METHODS: list[tuple[type, str, list[str], str, str]] = [
      "pipeline.app.NodeStateTable.on_rebalance tells the tick index which partitions the process owns"),
     (AIOKafkaClient, "force_metadata_update", ["self"], AWAITABLE,
      "loki_tail, commands/replay and actuator/testing refresh consumer._client's metadata"),
+    (faust_aiokafka.Producer, "_ensure_producer", ["self"], SYNC,
+     "upstream.faust_producer_client: the aggregation's record batches go to the aiokafka producer it returns"),
+    (AIOKafkaProducer, "create_batch", ["self"], SYNC, "record_batches.RecordBatches fills one per partition"),
+    (AIOKafkaProducer, "send_batch", ["self", "batch", "topic", "partition"], ASYNC,
+     "record_batches.RecordBatches hands each filled batch over (one future per batch)"),
+    (AIOKafkaProducer, "partitions_for", ["self", "topic"], ASYNC,
+     "record_batches.RecordBatches partitions as send does (the producer's partitioner over this list)"),
 ]
 
 

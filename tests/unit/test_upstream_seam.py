@@ -25,6 +25,8 @@ UPSTREAM_PRIVATE = frozenset({
     "_fetcher", "_records", "_partition_records", "_consumer_record", "_key_deserializer", "_value_deserializer",
     # aiokafka's fetch planning (a long poll only when the fetch holds no partition back)
     "_get_actions_per_node",
+    # Faust's producer: the aiokafka producer behind it (the aggregation's record batches)
+    "_ensure_producer",
 })
 PRIVATE_MODULES = ("aiokafka.protocol", "aiokafka.coordinator", "aiokafka.consumer.fetcher", "faust.transport")
 
