@@ -149,7 +149,6 @@ class PriorityLimiter:
         max_hold_s: float = URGENT_MAX_HOLD_S,
     ) -> None:
         self._free = limit
-        self.limit = limit
         self._reserve_free = reserve
         self._waiters: list[tuple[int, int, asyncio.Future[bool]]] = []
         self._seq = itertools.count()
