@@ -112,11 +112,13 @@ async def create_nodes(
     parallel: int = 32,
     gpu: bool = False,
     progress: Callable[[int], None] | None = None,
+    body: Callable[[str], dict[str, Any]] | None = None,
 ) -> None:
     """Create Ready nodes, one call each with their status (as a kubelet registers, and KWOK creates).
 
     A node that exists already is reported Ready with ``boot_id``. ``gpu``: GPU labels and capacity.
     ``progress(n)`` is called with the count of nodes done so far, every 100 nodes and at the end.
+    ``body(name)``: the Node to create instead of ``node_object``'s (e.g. one made like another node).
     """
     sem = asyncio.Semaphore(parallel)
     done = 0
@@ -125,7 +127,8 @@ async def create_nodes(
         nonlocal done
         async with sem:
             try:
-                await kube._call(kube.core.create_node, node_object(name, labels, boot_id, gpu))
+                node = body(name) if body is not None else node_object(name, labels, boot_id, gpu)
+                await kube._call(kube.core.create_node, node)
             except AlreadyExists:
                 await set_node_ready(kube, name, boot_id)
         done += 1

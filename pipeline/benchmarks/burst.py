@@ -233,16 +233,8 @@ async def bare_client_baseline(
     raw = "raw_alike" if template is not None else "raw"
     names = [f"b{world.tag}-{raw.replace('_', '-')}-{i:05d}" for i in range(world.nodes)]
     labels = {"xidflow.bench/burst-raw": world.tag}
-    if template is None:
-        await create_nodes(world.kube, names, labels)
-    else:
-        sem = asyncio.Semaphore(32)
-
-        async def make(name: str) -> None:
-            async with sem:
-                await world.kube._call(world.kube.core.create_node, alike(template, name, labels, world.selector))
-
-        await asyncio.gather(*(make(n) for n in names))
+    make = None if template is None else (lambda name: alike(template, name, labels, world.selector))
+    await create_nodes(world.kube, names, labels, body=make)
     kube = Kube.from_config(world.kubeconfig, concurrency)
     api_before = await api_snapshot(world)
     cpu_before = cpu_seconds(world)
