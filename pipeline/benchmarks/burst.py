@@ -36,7 +36,6 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import apimetrics, procstat
 from pipeline.benchmarks.burst_watch import (
@@ -227,7 +226,7 @@ async def bare_client_baseline(
     bare ones.
     """
     from pipeline.actuator.settings import ActuatorSettings
-    from pipeline.benchmarks.storm import raw_quarantine_rate
+    from pipeline.benchmarks.storm import bare_client, raw_quarantine_rate
 
     concurrency = ActuatorSettings().api_concurrency * world.actuators
     raw = "raw_alike" if template is not None else "raw"
@@ -235,7 +234,7 @@ async def bare_client_baseline(
     labels = {"xidflow.bench/burst-raw": world.tag}
     make = None if template is None else (lambda name: alike(template, name, labels, world.selector))
     await create_nodes(world.kube, names, labels, body=make)
-    kube = Kube.from_config(world.kubeconfig, concurrency)
+    kube = await bare_client(world.kubeconfig, concurrency)
     api_before = await api_snapshot(world)
     cpu_before = cpu_seconds(world)
     try:

@@ -72,7 +72,7 @@ from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, kmsg, summarize
 from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids
-from pipeline.benchmarks.storm import raw_quarantine_rate
+from pipeline.benchmarks.storm import bare_client, raw_quarantine_rate
 from pipeline.kafka import clients as kafka_clients
 
 REBALANCE_MARKS = (b"because it is rebalancing", b"member_id was not recognized", b"session expired",
@@ -199,7 +199,7 @@ async def _raw(prefix: str, world: World) -> dict[str, Any]:
     raw = [f"{world.tag}-raw-{i:05d}" for i in range(world.nodes)]
     world.others += raw
     await create_nodes(world.kube, raw, {"xidflow.bench/scale-raw": world.tag}, gpu=True)
-    kube = Kube.from_config(world.kubeconfig, 32)
+    kube = await bare_client(world.kubeconfig, 32)
     try:
         rate = await raw_quarantine_rate(kube, raw, TAINT_KEY, 32)
     finally:

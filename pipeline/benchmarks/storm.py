@@ -46,16 +46,22 @@ async def raw_quarantine(kube: Kube, name: str, taint_key: str) -> None:
 LEDGER = "x" * 400
 
 
-async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
-    """Nodes/s a bare client quarantines (``raw_quarantine`` per node), ``concurrency`` nodes at once.
+async def bare_client(kubeconfig: str, concurrency: int) -> Kube:
+    """The baselines' bare client: a ``Kube`` with ``concurrency`` connections already open.
 
-    Its connections are opened before the clock starts (``HttpCalls.warm``), as an actuator's are
-    (``Kube.keep_warm``): the baseline is the API server's own time for the writes, not TLS handshakes
+    Opened before any clock or API-server reading starts (``HttpCalls.warm``), as an actuator's are
+    (``Kube.keep_warm``): a baseline is the API server's own time for the writes, not TLS handshakes
     (64 of them in a 500-node burst's baseline, where the actuators had opened none).
     """
-    sem = asyncio.Semaphore(concurrency)
+    kube = Kube.from_config(kubeconfig, concurrency)
     if kube.http is not None:
         await kube.http.warm(concurrency)
+    return kube
+
+
+async def raw_quarantine_rate(kube: Kube, names: list[str], taint_key: str, concurrency: int) -> float:
+    """Nodes/s a bare client (``bare_client``) quarantines (``raw_quarantine`` per node), ``concurrency`` at once."""
+    sem = asyncio.Semaphore(concurrency)
 
     async def one(name: str) -> None:
         async with sem:
@@ -210,7 +216,7 @@ async def storm(
         phases = calls_by_phase(timeline, start, last_taint, nodes)
         # The baseline, same run, same API server, same concurrency: a bare client's writes.
         await create_nodes(admin, raw_names, {"xidflow.bench/storm-raw": tag})
-        raw_kube = Kube.from_config(kubeconfig, api_concurrency)
+        raw_kube = await bare_client(kubeconfig, api_concurrency)
         try:
             raw_rate = await raw_quarantine_rate(raw_kube, raw_names, settings.taint_key, api_concurrency)
         finally:
