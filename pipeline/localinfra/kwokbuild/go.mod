@@ -1,3 +1,7 @@
+// Builds KWOK (sigs.k8s.io/kwok), the node and pod simulator of the local cluster, from its published module,
+// with KWOK's own module graph (its k8s.io and OpenTelemetry versions are not the API server's).
+// Regenerate: rm go.mod go.sum; go mod init xidflow.local/kwokbuild; go mod edit -go=1.26.0;
+// go get -tool sigs.k8s.io/kwok/cmd/kwok@vX.Y.Z; go mod tidy
 module xidflow.local/kwokbuild
 
 go 1.26.0
