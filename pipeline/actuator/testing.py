@@ -36,9 +36,9 @@ from pipeline.kafka import upstream
 from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, Severity
 
 __all__ = [
-    "GPU_ALLOCATABLE", "GPU_CAPACITY", "GPU_LABELS", "XID79_LINE", "create_nodes", "delete_nodes", "make_incident",
-    "node_events", "node_object", "node_status", "publish", "read_audit", "reboot", "resume_heartbeats",
-    "set_node_ready", "stop_heartbeats", "wait_nodes_usable", "wait_until",
+    "GPU_ALLOCATABLE", "GPU_CAPACITY", "GPU_LABELS", "XID79_LINE", "XIDFLOW_EVENT_SOURCE", "create_nodes",
+    "delete_nodes", "make_incident", "node_events", "node_object", "node_status", "publish", "read_audit", "reboot",
+    "resume_heartbeats", "set_node_ready", "stop_heartbeats", "wait_nodes_usable", "wait_until",
 ]
 
 
@@ -116,6 +116,12 @@ async def wait_until(
         await asyncio.sleep(poll)
 
 
+XIDFLOW_EVENT_SOURCE = "xidflow-actuator"
+
+
 async def node_events(kube: Kube, node: str) -> list[dict[str, Any]]:
-    page = await kube._call(kube.core.list_namespaced_event, "default", field_selector=f"involvedObject.name={node}")
+    """The Events xidflow's actuator wrote about the node. The node lifecycle controller and KWOK write their
+    own about it (``RegisteredNode``, ``NodeNotReady`` ...): those are the cluster's, not xidflow's effects."""
+    selector = f"involvedObject.name={node},source={XIDFLOW_EVENT_SOURCE}"
+    page = await kube._call(kube.core.list_namespaced_event, "default", field_selector=selector)
     return page.get("items") or []

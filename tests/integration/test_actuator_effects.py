@@ -42,9 +42,10 @@ class Env:
         self.actuators: list[Actuator] = []
 
     async def make_nodes(self, count: int, extra_labels: dict[str, str] | None = None) -> list[str]:
+        """KWOK nodes of 8-GPU machines, Ready and schedulable when this returns."""
         names = [self.unique("gpu") for _ in range(count)]
         self.nodes += names
-        await create_nodes(self.kube, names, {**self.fleet_label, **(extra_labels or {})})
+        await create_nodes(self.kube, names, {**self.fleet_label, **(extra_labels or {})}, gpu=True)
         return names
 
     def settings(self, **overrides: Any) -> ActuatorSettings:

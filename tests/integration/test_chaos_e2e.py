@@ -34,10 +34,10 @@ from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import LogRecord, Outcome, Source
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+from tests.integration.workloads import ensure_ns, pods_on, trainers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -116,7 +116,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
     nodes = await env.make_nodes(len(SHAPES) * NODES_PER_SHAPE)
     shape_of = dict(zip(nodes, [s for s in SHAPES for _ in range(NODES_PER_SHAPE)], strict=True))
     for node in nodes:
-        await make_pods(env.kube, work, node, [f"{node}-{p}" for p in PODS], {"app": "train"}, gpus=4)
+        assert await trainers(env.kube, work, node, len(PODS), gpus=4) == [f"{node}-{p}" for p in PODS]
     actions = "[{name: quarantine}, {name: drain, gracePeriodCap: 0, timeout: 600}]"
     policy = write_policy(tmp_path / "policy.yaml", actions)
     reps = Replicas(env, kubeconfig, policy)

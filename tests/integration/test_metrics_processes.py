@@ -27,8 +27,8 @@ from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.lag import LagMonitor
 from pipeline.runtime import metrics
-from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
+from tests.integration.workloads import ensure_ns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 REPO = Path(__file__).resolve().parents[2]
@@ -278,10 +278,10 @@ async def test_an_open_drain_step_is_exported_with_its_age_and_timeout(
 ) -> None:
     """A drain held by a PodDisruptionBudget: its step stays open, and the gauges the "flow stuck past its
     timeout" alert compares show it (age growing, the policy's timeout); when it finishes they drop to 0."""
-    from tests.integration.test_actuator_failover import guarded_pods, set_pdb
+    from tests.integration.test_actuator_failover import GUARDED, guarded_pods, set_pdb
 
     (node,) = await env.make_nodes(1)
-    ns, generation = await guarded_pods(env, node)
+    ns, _pods = await guarded_pods(env, node)
     policy = tmp_path / "policy.yaml"
     policy.write_text("kind: RescuePolicy\nmetadata: {name: metrics}\nspec:\n  rules:\n"
                       "  - {priority: 10, codes: [79], actions: [{name: cordon}, "
@@ -300,7 +300,7 @@ async def test_an_open_drain_step_is_exported_with_its_age_and_timeout(
         age = value(first, "xidflow_flow_oldest_step_age_seconds", action="drain") or 0
         await eventually(actuator, port, lambda s: (value(s, "xidflow_flow_oldest_step_age_seconds", action="drain")
                                                    or 0) > age, "the drain step's age growing")
-        await set_pdb(env, ns, 3, generation)  # the budget allows the evictions: the drain finishes
+        await set_pdb(env, ns, GUARDED)  # the budget allows the evictions: the drain finishes
         done = await eventually(actuator, port, lambda s: value(s, "xidflow_flow_open_steps", action="drain") == 0,
                                 "the drain step closed")
         assert value(done, "xidflow_flow_oldest_step_age_seconds", action="drain") == 0

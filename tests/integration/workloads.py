@@ -31,9 +31,9 @@ async def ensure_ns(kube: Kube, name: str) -> None:
 
 def pod_template(labels: dict[str, str], node: str | None, gpus: int = 0, *,
                  tolerations: list[dict[str, Any]] | None = None, restart: str | None = None,
-                 annotations: dict[str, str] | None = None) -> dict[str, Any]:
+                 annotations: dict[str, str] | None = None, container_name: str = "c") -> dict[str, Any]:
     """A pod template (pure): one container, ``gpus`` ``nvidia.com/gpu`` limit, pinned to ``node`` when given."""
-    container: dict[str, Any] = {"name": "c", "image": "busybox"}
+    container: dict[str, Any] = {"name": container_name, "image": "busybox"}
     if gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
@@ -93,12 +93,13 @@ async def deployment(kube: Kube, namespace: str, name: str, node: str, replicas:
 
 
 async def statefulset(kube: Kube, namespace: str, name: str, node: str, replicas: int, labels: dict[str, str],
-                      gpus: int = 0) -> list[str]:
+                      gpus: int = 0, container_name: str = "c") -> list[str]:
     """A StatefulSet on ``node`` (pods ``<name>-0`` ...), all pods started at once; returns their names when running."""
     apps = client.AppsV1Api(kube.api_client)
+    template = pod_template(labels, node, gpus, container_name=container_name)
     body = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
-                     "selector": {"matchLabels": labels}, "template": pod_template(labels, node, gpus)}}
+                     "selector": {"matchLabels": labels}, "template": template}}
     await kube._call(apps.create_namespaced_stateful_set, namespace, body)
     return await wait_running(kube, namespace, labels, replicas, node)
 
@@ -132,14 +133,15 @@ async def mirror_pod(kube: Kube, namespace: str, name: str, node: str, labels: d
 
 
 def job_body(namespace: str, name: str, node: str | None, labels: dict[str, str], *, complete: bool = True,
-             fail: bool = False, backoff_limit: int = 0, extra: dict[str, Any] | None = None) -> dict[str, Any]:
+             fail: bool = False, backoff_limit: int = 0, gpus: int = 0,
+             extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """A Job whose pod KWOK completes (``complete``), keeps running (not ``complete``) or fails (``fail``). Pure."""
     pod_labels = dict(labels)
     if not complete:
         pod_labels[POD_COMPLETE_LABEL] = "false"
     if fail:
         pod_labels[POD_FAIL_LABEL] = "true"
-    template = pod_template(pod_labels, node, restart="Never")
+    template = pod_template(pod_labels, node, gpus, restart="Never")
     return {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": name, "namespace": namespace},
             "spec": {"backoffLimit": backoff_limit, "template": template, **(extra or {})}}
 
