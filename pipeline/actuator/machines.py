@@ -65,13 +65,19 @@ def node_status(boot_id: str, gpu: bool = False) -> dict[str, Any]:
     return status
 
 
+def hostname(name: str) -> str:
+    """The machine's hostname, the ``kubernetes.io/hostname`` label of its node: its node's name, cut to a DNS
+    label's 63 characters (a node's name may be longer; a label value may not). Pure."""
+    return name[:63].rstrip("-.")
+
+
 def node_object(
     name: str, labels: dict[str, str], boot_id: str = "boot-1", gpu: bool = False, managed: bool = True
 ) -> dict[str, Any]:
     """A Node as it registers: ``kubernetes.io/hostname`` (every kubelet sets it), KWOK's label unless
     ``managed=False``, ``labels``, and the machine's status. Pure."""
-    all_labels = {"kubernetes.io/hostname": name, **(KWOK_LABELS if managed else {}), **(GPU_LABELS if gpu else {}),
-                  **labels}
+    all_labels = {"kubernetes.io/hostname": hostname(name), **(KWOK_LABELS if managed else {}),
+                  **(GPU_LABELS if gpu else {}), **labels}
     return {
         "apiVersion": "v1",
         "kind": "Node",
@@ -102,7 +108,7 @@ async def create_nodes(
     progress: Callable[[int], None] | None = None,
     body: Callable[[str], dict[str, Any]] | None = None,
     managed: bool = True,
-    ready_within_s: float = 120.0,
+    ready_within_s: float | None = None,
 ) -> None:
     """Register the machines' nodes, one create call each, and (``managed``) wait until KWOK made them usable.
 
@@ -113,11 +119,14 @@ async def create_nodes(
     ``labels``. ``gpu``: GPU labels and capacity. ``progress(n)`` is called with the count of nodes
     created so far, every 100 nodes and at the end. ``body(name)``: the Node to create instead of
     ``node_object``'s (e.g. one made like another node); it is KWOK's if it carries KWOK's label.
+    ``ready_within_s``: how long to wait; by default 2 minutes plus 0.1 s a node (the lifecycle controller
+    lifts the taints at its client's rate, 20 writes/s by default: 10,000 nodes take about 8 minutes).
     """
     names = list(names)
     sem = asyncio.Semaphore(parallel)
     done = 0
     waited: list[str] = []
+    shared = dict(labels)  # the labels every node waited for carries: the wait lists only those nodes
 
     async def one(name: str) -> None:
         nonlocal done
@@ -125,6 +134,9 @@ async def create_nodes(
             node = body(name) if body is not None else node_object(name, labels, boot_id, gpu, managed)
             if _kwoks(node):
                 waited.append(name)
+                node_labels = node["metadata"].get("labels") or {}
+                for key in [k for k, v in shared.items() if node_labels.get(k) != v]:
+                    del shared[key]
             try:
                 await kube._call(kube.core.create_node, node)
             except AlreadyExists:
@@ -138,7 +150,7 @@ async def create_nodes(
     if progress is not None:
         progress(done)
     if waited:
-        await wait_nodes_usable(kube, waited, ready_within_s)
+        await wait_nodes_usable(kube, waited, ready_within_s or 120.0 + 0.1 * len(waited), shared)
 
 
 def _kwoks(node: Mapping[str, Any]) -> bool:
@@ -146,10 +158,15 @@ def _kwoks(node: Mapping[str, Any]) -> bool:
     return all(node_labels.get(k) == v for k, v in KWOK_LABELS.items())
 
 
-async def wait_nodes_usable(kube: Kube, names: Iterable[str], limit_s: float = 120.0) -> None:
-    """Until every named node is Ready and free of the lifecycle controller's not-ready/unreachable taints."""
+async def wait_nodes_usable(
+    kube: Kube, names: Iterable[str], limit_s: float = 120.0, labels: Mapping[str, str] | None = None
+) -> None:
+    """Until every named node is Ready and free of the lifecycle controller's not-ready/unreachable taints.
+
+    ``labels``: labels all of them carry (a large fleet is then listed by them, not all of KWOK's nodes).
+    """
     pending = set(names)
-    selector = ",".join(f"{k}={v}" for k, v in KWOK_LABELS.items())
+    selector = ",".join(f"{k}={v}" for k, v in {**KWOK_LABELS, **(labels or {})}.items())
     deadline = time.monotonic() + limit_s
     poll = 0.05
     while pending:

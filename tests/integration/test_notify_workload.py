@@ -23,6 +23,7 @@ from kubernetes import client
 
 from pipeline.actuator.dra import PCI_ATTRIBUTE
 from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
+from pipeline.actuator.machines import hostname
 from pipeline.actuator.ownership import LEDGER_ANNOTATION
 from pipeline.actuator.testing import XIDFLOW_EVENT_SOURCE, make_incident
 from pipeline.actuator.workload import EVENT_REASON, GPU_FAULT_CONDITION
@@ -62,7 +63,7 @@ async def make_pod(kube: Kube, ns: str, node: str, name: str, owners: list[dict[
                    resources: dict[str, Any] | None = None, claims: list[str] = ()) -> None:
     """A pod created directly (by a person, or an operator of a kind with ``owners``), placed on ``node`` by the
     scheduler (its node selector) and run by KWOK; returns once it runs."""
-    spec: dict[str, Any] = {"nodeSelector": {HOSTNAME: node}, "restartPolicy": "Never",
+    spec: dict[str, Any] = {"nodeSelector": {HOSTNAME: hostname(node)}, "restartPolicy": "Never",
                             "containers": [{"name": "c", "image": "busybox", "resources": resources or {}}]}
     if claims:
         spec["resourceClaims"] = [{"name": f"gpu{i}", "resourceClaimName": c} for i, c in enumerate(claims)]
@@ -210,7 +211,7 @@ async def test_the_example_job_and_its_pod_failure_policy_are_accepted(env: Env)
     node = (await env.make_nodes(1))[0]
     job = yaml.safe_load(EXAMPLE_JOB.read_text())
     # Its 8-GPU pod runs on this test's node (KWOK completes it), not on another test's.
-    job["spec"]["template"]["spec"]["nodeSelector"] = {HOSTNAME: node}
+    job["spec"]["template"]["spec"]["nodeSelector"] = {HOSTNAME: hostname(node)}
     created = await kube._call(kube.batch.create_namespaced_job, ns, job)
     rules = created["spec"]["podFailurePolicy"]["rules"]
     assert rules[0]["action"] == "Ignore"

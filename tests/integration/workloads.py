@@ -15,9 +15,12 @@ from typing import Any
 from kubernetes import client
 
 from pipeline.actuator.kube import AlreadyExists, Kube
+from pipeline.actuator.machines import hostname
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL, POD_FAIL_LABEL
 
 HOSTNAME = "kubernetes.io/hostname"
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+"""The taint the node lifecycle controller puts on a cordoned node (TaintNodesByCondition)."""
 UNSCHEDULABLE_TOLERATION = {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
 """What lets the scheduler place a pod on a cordoned node (DaemonSet pods carry it)."""
 
@@ -38,7 +41,7 @@ def pod_template(labels: dict[str, str], node: str | None, gpus: int = 0, *,
         container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
     if node:
-        spec["nodeSelector"] = {HOSTNAME: node}
+        spec["nodeSelector"] = {HOSTNAME: hostname(node)}
     if tolerations:
         spec["tolerations"] = tolerations
     if restart:
@@ -194,6 +197,16 @@ async def pdb_status(kube: Kube, namespace: str, name: str, generation: int, lim
             raise AssertionError(f"the disruption controller did not compute PDB {namespace}/{name} within "
                                  f"{limit_s:g}s: {status}")
         await asyncio.sleep(0.2)
+
+
+async def cordon_answered(kube: Kube, node: str, limit_s: float = 30) -> None:
+    """Until the node lifecycle controller has answered a cordon with its ``node.kubernetes.io/unschedulable``
+    taint: after that, nobody else writes the node (a test comparing resource versions starts here)."""
+    deadline = time.monotonic() + limit_s
+    while not any(t["key"] == UNSCHEDULABLE_TAINT for t in (await kube.get_node(node))["spec"].get("taints") or []):
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"the node lifecycle controller did not taint the cordoned {node} in {limit_s:g}s")
+        await asyncio.sleep(0.1)
 
 
 async def pods_on(kube: Kube, node: str) -> list[str]:

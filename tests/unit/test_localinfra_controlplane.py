@@ -10,7 +10,7 @@ import yaml
 from cryptography import x509
 from cryptography.x509.oid import NameOID
 
-from pipeline.actuator.machines import KWOK_LABELS, node_object, node_usable
+from pipeline.actuator.machines import KWOK_LABELS, hostname, node_object, node_usable
 from pipeline.actuator.nodeview import NodeView
 from pipeline.localinfra import controlplane, install, kwok
 from pipeline.localinfra.controlplane import (
@@ -171,3 +171,10 @@ def test_a_node_is_usable_when_ready_and_the_lifecycle_controller_lifted_its_tai
 
 def test_components_are_listed_in_start_order() -> None:
     assert controlplane.COMPONENTS == ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok")
+
+
+def test_a_long_node_name_registers_a_hostname_a_label_can_hold() -> None:
+    long = "gpu-" + "h100-sxm5-prod-us-east-1a-rack07-" * 3 + "node-0002"
+    label = node_object(long, {})["metadata"]["labels"]["kubernetes.io/hostname"]
+    assert len(long) > 63 and label == hostname(long) and len(label) <= 63 and long.startswith(label)
+    assert not label.endswith(("-", ".")) and hostname("gpu-1") == "gpu-1"
