@@ -16,8 +16,9 @@ What no program here does is what the machine itself does, and that is simulated
   node lifecycle controller, after its grace period, marks the node ``Unknown`` and taints it
   ``node.kubernetes.io/unreachable``; ``resume_heartbeats`` brings it back.
 
-A node created with ``managed=False`` carries no KWOK label: no kubelet answers for it, so it goes
-NotReady as on a cluster (a test does that only to watch the lifecycle controller, and says so).
+A node created with ``managed=False`` carries no KWOK label: no kubelet answers for it, so the node
+lifecycle controller marks it ``Unknown`` after its startup grace, as on a cluster. The tests here need
+none: a node that goes silent is a KWOK node whose machine stopped (``stop_heartbeats``).
 """
 
 from __future__ import annotations
