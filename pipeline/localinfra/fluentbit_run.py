@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import time
@@ -72,9 +73,19 @@ class Render:
 
 
 def kube_tag_prefix(containers_dir: str) -> str:
-    """The tag prefix the ``kube.*`` tail input gives files in ``containers_dir`` (Fluent Bit's tag expansion:
-    the path with '/' as '.', the leading one dropped): ``/var/log/containers`` -> ``kube.var.log.containers.``."""
-    return "kube." + containers_dir.strip("/").replace("/", ".") + "."
+    """The tag prefix the ``kube.*`` tail input gives files in ``containers_dir``.
+
+    Fluent Bit's tail input (``tag_compose`` in ``plugins/in_tail/tail_file.c``) appends the file's path to
+    the tag's prefix, turns ``/``, ``\\`` and ``:`` into ``.``, drops ``*`` and collapses a run of dots into
+    one, so a dot-leading folder such as ``~/.cache`` loses its dot: ``/root/.cache/c`` ->
+    ``kube.root.cache.c.``, ``/var/log/containers`` -> ``kube.var.log.containers.``. The kubernetes filter
+    finds no pod in a tag that does not start with its ``kube_tag_prefix`` and adds no metadata, silently.
+    This imitates a real program, so ``tests/integration/test_fluent_bit_tags.py`` holds it against the real
+    Fluent Bit's tags for paths with dot components, spaces, colons and long names.
+    """
+    tag = "kube." + containers_dir.replace("*", "") + "/"
+    tag = re.sub(r"[/\\:]", ".", tag)
+    return re.sub(r"\.{2,}", ".", tag)
 
 
 def load_shipped(path: Path = SHIPPED_CONFIG) -> dict[str, Any]:

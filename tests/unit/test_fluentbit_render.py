@@ -59,4 +59,23 @@ def test_the_kubernetes_tag_prefix_follows_the_container_log_path(tmp_path: Path
     assert kube_tag_prefix(str(Path(tail["path"]).parent)) == kube["kube_tag_prefix"]
     rendered = render_shipped_config(Render(root=tmp_path))
     kube = next(f for f in rendered["pipeline"]["filters"] if f["name"] == "kubernetes")
-    assert kube["kube_tag_prefix"] == "kube." + str(tmp_path / "containers").strip("/").replace("/", ".") + "."
+    assert kube["kube_tag_prefix"] == kube_tag_prefix(str(tmp_path / "containers"))
+
+
+# (folder, the prefix the real Fluent Bit's tail input gives its files); tests/integration/test_fluent_bit_tags.py
+# asks the real binary for each of them (rooted in a temporary folder).
+KNOWN_PREFIXES = [
+    ("/var/log/containers", "kube.var.log.containers."),
+    # A dot-leading folder loses its dot (the demo's default state directory is under ~/.cache).
+    ("/root/.cache/xidflow/local/demo/fluent-bit/gpu-0/containers",
+     "kube.root.cache.xidflow.local.demo.fluent-bit.gpu-0.containers."),
+    ("/tmp/x/.hid/containers", "kube.tmp.x.hid.containers."),
+    ("/tmp/a b/c:d/e..f", "kube.tmp.a b.c.d.e.f."),
+]
+
+
+@pytest.mark.parametrize(("folder", "prefix"), KNOWN_PREFIXES)
+def test_the_kubernetes_tag_prefix_is_fluent_bits_tag_expansion(folder: str, prefix: str) -> None:
+    """Known answers of the real Fluent Bit (tests/integration/test_fluent_bit_tags.py asks it for each)."""
+    assert kube_tag_prefix(folder) == prefix
+
