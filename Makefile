@@ -15,7 +15,10 @@ LOCK   := requirements.lock
 $(STAMP): $(LOCK) pyproject.toml
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
+	@# A cold machine spends a minute or more here: pip names each package as it fetches it (no
+	@# progress bars, which a piped log would show as noise).
+	@echo "setup: installing the $$(grep -c '^[a-z0-9]' $(LOCK)) Python packages of $(LOCK) into $(VENV) ..."
+	$(PY) -m pip install --progress-bar off --disable-pip-version-check --require-hashes -r $(LOCK)
 	@# setuptools' note about editable installs is a warning for package authors, not a newcomer's business.
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
