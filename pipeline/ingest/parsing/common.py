@@ -46,23 +46,24 @@ _QUOTING_CHARS = frozenset("\"'=|$`\\")
 # colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
 _TOKEN = r"""[^\s:"'=|$`\\]+(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
 _ISO_TS = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
-# Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
-# "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
-# ("/var/log/kern.log:", "syslog.1:1234:").
-_HEAD_RE = re.compile(
-    r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
-    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:)"
-)
-# Talos Linux formats every kernel message "%s: %7s: [%s]: %s" (facility, priority right-aligned to 7,
-# RFC 3339 time with nanoseconds, text: machined's Dmesg API and its "kernel" service log), and talosctl puts
-# "<node>: " in front (the node as it was addressed: host name, IPv4 or IPv6 address). Only the kernel's
-# facility: a userspace program writing to /dev/kmsg shows up as "user: ..." or "daemon: ...".
 # util-linux dmesg -x / --decode prints "%-6s:%-6s: " of the record's facility and level names (its
 # facility_names and level_names tables: tests/expected/dmesg/decode in util-linux).
 DMESG_FACILITIES = ("kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron", "authpriv",
                     "ftp", "res0", "res1", "res2", "res3", *(f"local{n}" for n in range(8)))
 DMESG_LEVELS = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
 _DMESG_DECODE = r"(?:(?:" + "|".join(DMESG_FACILITIES) + r")\s*:\s*(?:" + "|".join(DMESG_LEVELS) + r")\s*:\s*)"
+# Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
+# "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
+# ("/var/log/kern.log:", "syslog.1:1234:") -- not dmesg -x's "syslog:err   : ", the syslog facility.
+_HEAD_RE = re.compile(
+    r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
+    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:"
+    r"(?!\s*(?:" + "|".join(DMESG_LEVELS) + r")\s*:))"
+)
+# Talos Linux formats every kernel message "%s: %7s: [%s]: %s" (facility, priority right-aligned to 7,
+# RFC 3339 time with nanoseconds, text: machined's Dmesg API and its "kernel" service log), and talosctl puts
+# "<node>: " in front (the node as it was addressed: host name, IPv4 or IPv6 address). Only the kernel's
+# facility: a userspace program writing to /dev/kmsg shows up as "user: ..." or "daemon: ...".
 _TALOS_NODE = r"(?:[\w.-]+|\[?[0-9A-Fa-f:.]+\]?)"
 _TALOS = r"(?:" + _TALOS_NODE + r":\s+)?kern:\s+[a-z]+:\s+\[" + _ISO_TS + r"\]:\s*"
 # An RFC 5424 header whose APP-NAME is the kernel's and that carries structured data
