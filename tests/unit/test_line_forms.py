@@ -161,20 +161,16 @@ def test_every_documented_form_is_varied_and_every_varied_form_documented() -> N
     assert set(FM_FORMS) == set(FM_PREFIXES)
 
 
-@pytest.mark.parametrize("form", list(KERNEL_FORMS))
-def test_each_kernel_prefix_form_varied_composes_with_every_message(form: str) -> None:
+VARIATIONS = [(form, strategy, KERNEL_MESSAGES) for form, strategy in KERNEL_FORMS.items()] + [
+    (form, strategy, FM_MESSAGES) for form, strategy in FM_FORMS.items()]
+
+
+@pytest.mark.parametrize(("form", "prefixes", "messages"), VARIATIONS, ids=[v[0] for v in VARIATIONS])
+def test_each_prefix_form_varied_composes_with_every_message_form(
+    form: str, prefixes: st.SearchStrategy[str], messages: dict[str, str]
+) -> None:
     @VARIED
-    @given(prefix=KERNEL_FORMS[form], message=st.sampled_from(list(KERNEL_MESSAGES.values())))
-    def check(prefix: str, message: str) -> None:
-        assert parse_kernel_line(prefix + message) == parse_kernel_line(message), prefix
-
-    check()
-
-
-@pytest.mark.parametrize("form", list(FM_FORMS))
-def test_each_fabric_manager_prefix_form_varied_composes_with_every_report(form: str) -> None:
-    @VARIED
-    @given(prefix=FM_FORMS[form], message=st.sampled_from(list(FM_MESSAGES.values())))
+    @given(prefix=prefixes, message=st.sampled_from(list(messages.values())))
     def check(prefix: str, message: str) -> None:
         assert parse_kernel_line(prefix + message) == parse_kernel_line(message), prefix
 
