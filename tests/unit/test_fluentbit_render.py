@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.localinfra.fluentbit_run import (
+    FABRIC_MANAGER_TAG,
     KERNEL_FILE_PARSERS,
     Render,
     kube_tag_prefix,
@@ -37,6 +38,18 @@ def test_a_changed_filter_or_output_is_drift(tmp_path: Path) -> None:
     drift = shipped_config_drift(rendered)
     assert len(drift) == 3, drift
     assert any("regex" in d for d in drift) and any("format" in d for d in drift)
+
+
+def test_fabric_managers_log_moves_under_the_root_and_nothing_else_of_it_may_change(tmp_path: Path) -> None:
+    rendered = render_shipped_config(Render(root=tmp_path))
+    fabric_manager = next(i for i in rendered["pipeline"]["inputs"] if i["tag"] == FABRIC_MANAGER_TAG)
+    assert fabric_manager["path"] == str(tmp_path / "fabricmanager" / "fabricmanager.log")
+    assert fabric_manager["db"].startswith(str(tmp_path))
+    outputs = {o["match"]: o["topics"] for o in rendered["pipeline"]["outputs"]}
+    assert outputs == {"kernel*": "gpu.logs.kernel", "kube.*": "gpu.logs.pods"}  # its lines go with the kernel's
+    fabric_manager["parser"] = "json"
+    assert shipped_config_drift(rendered) == [
+        f"input[{FABRIC_MANAGER_TAG}].parser: shipped 'xidflow-kernel-line', rendered 'json'"]
 
 
 def test_the_kernel_file_parsers_are_shipped_and_yield_msg() -> None:
