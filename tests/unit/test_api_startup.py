@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.actuator.api import ApiSettings, TokenFileError, TokenStore, read_token_file
+from pipeline.actuator.effects import REBOOT_IMAGE
 from pipeline.cli import cli
 
 SECRET = "s3cr3t-token-value-4711"
@@ -90,12 +91,12 @@ def test_a_token_header_that_is_not_utf8_is_refused_not_an_error() -> None:
 def test_an_unsafe_operator_job_template_is_refused_at_start(tmp_path: Path) -> None:
     template = tmp_path / "reboot.yaml"
     template.write_text(
-        "apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
-        "      - {name: r, image: busybox, command: [reboot]}\n"
+        "apiVersion: batch/v1\nkind: Job\nspec:\n  backoffLimit: 0\n  template:\n    spec:\n      containers:\n"
+        f"      - {{name: r, image: '{REBOOT_IMAGE}', command: [reboot]}}\n"
         "      volumes: [{name: t, secret: {secretName: xidflow-api-tokens}}]\n"
     )
     code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE": str(template)})
     assert code != 0
-    assert f"reboot Job template {template}: spec.template.spec.volumes[0]" in out
+    assert f"reboot Job template {template}: spec.template.spec.volumes: not allowed" in out
     code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE": str(tmp_path / "missing.yaml")})
     assert code != 0 and "XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE" in out and "no such file" in out
