@@ -31,6 +31,7 @@ from pipeline.actuator.breaker import Breaker
 from pipeline.actuator.breaker_rules import admitted_within, quarantined_by_xidflow
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
+from pipeline.actuator.kube import unreachable
 from pipeline.actuator.nodeview import NodeView
 from pipeline.runtime import metrics
 from schemas.records import Outcome
@@ -210,7 +211,7 @@ class FleetGauges:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - metrics never stop the work
-                if not self._failing:
+                if not self._failing and not unreachable(exc):  # an outage is said by reachability.API_SERVER
                     log.warning("fleet gauges not refreshed (%s: %s); retrying", type(exc).__name__, exc)
                 self._failing = True
             await asyncio.sleep(self.interval_s)
