@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from pipeline.actuator import actions
 from pipeline.actuator.actions.base import Kind
 from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
 from pipeline.actuator.breaker import Breaker
-from pipeline.actuator.breaker_rules import admitted_within, quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import admitted_within, in_fleet, quarantined_by_xidflow
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
 from pipeline.actuator.kube import unreachable
@@ -132,7 +132,7 @@ class FleetFigures:
 
 
 def fleet_figures(
-    views: Iterable[NodeView], now: float, fleet: tuple[int, frozenset[str]] | None = None
+    views: Iterable[NodeView], now: float, fleet: tuple[int, frozenset[str], Collection[str]] | None = None
 ) -> FleetFigures:
     """Quarantined nodes and the oldest open step per action over the fleet. Pure.
 
@@ -158,9 +158,10 @@ def fleet_figures(
 
 
 def breaker_window(state: Mapping[str, Any], quarantined: frozenset[str], fleet: int, window: float,
-                   now: float) -> tuple[int, float]:
-    """Nodes the breaker counts now (quarantined, or admitted within the window) and their share. Pure."""
-    counted = len(admitted_within(state, window, now).keys() | quarantined)
+                   now: float, members: Collection[str] | None = None) -> tuple[int, float]:
+    """Nodes the breaker counts now (quarantined, or admitted within the window and still in the fleet) and their
+    share. Pure."""
+    counted = len(in_fleet(admitted_within(state, window, now), members) | quarantined)
     return counted, counted / max(fleet, 1)
 
 
@@ -184,7 +185,7 @@ class FleetGauges:
 
     def __init__(self, nodes: Callable[[], Mapping[str, NodeView]], breaker: Breaker,
                  interval_s: float | None = None,
-                 fleet: Callable[[], tuple[int, frozenset[str]] | None] | None = None) -> None:
+                 fleet: Callable[[], tuple[int, frozenset[str], Collection[str]] | None] | None = None) -> None:
         self.nodes, self.breaker, self.fleet = nodes, breaker, fleet
         self.interval_s = interval_s if interval_s is not None else metrics.refresh_interval_s()
         self._task: asyncio.Task[None] | None = None
@@ -192,12 +193,15 @@ class FleetGauges:
 
     async def refresh(self) -> FleetFigures:
         now = time.time()
-        figures = fleet_figures(list(self.nodes().values()), now, self.fleet() if self.fleet else None)
+        views = self.nodes()
+        fleet = self.fleet() if self.fleet else None
+        figures = fleet_figures(list(views.values()), now, fleet)
         publish(figures)
         b = self.breaker
         metrics.BREAKER_MAX_SHARE.set(b.max_share)
         state = await read_json_configmap(b.kube, b.namespace, b.name)
-        counted, share = breaker_window(state, figures.quarantined, figures.gpu_nodes, b.window, now)
+        members = fleet[2] if fleet is not None else views.keys()
+        counted, share = breaker_window(state, figures.quarantined, figures.gpu_nodes, b.window, now, members)
         metrics.BREAKER_WINDOW_NODES.set(counted)
         metrics.BREAKER_WINDOW_SHARE.set(share)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)  # tripped by any replica, or before we started

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -241,9 +241,10 @@ class Reconciler:
         if seen.attention:
             self._consider(name)
 
-    def fleet_snapshot(self) -> tuple[int, frozenset[str]] | None:
-        """(GPU nodes, those xidflow quarantined) from the watch; None before the first list (the breaker's cache)."""
-        return (len(self.nodes), frozenset(self.quarantined)) if self.synced else None
+    def fleet_snapshot(self) -> tuple[int, frozenset[str], Collection[str]] | None:
+        """(GPU nodes, those xidflow quarantined, their names: a live view) from the watch; None before the first
+        list (the breaker's cache)."""
+        return (len(self.nodes), frozenset(self.quarantined), self.nodes.keys()) if self.synced else None
 
     def with_work(self) -> dict[str, NodeView]:
         """The nodes of ``attention`` (every node with an open flow among them), for the fleet gauges."""
