@@ -77,7 +77,9 @@ def actuator(
         try:
             load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
         except PolicyError as exc:
-            raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from None
+            raise click.ClickException(
+                f"invalid policy file {settings.policy_file} (XIDFLOW_ACTUATOR_POLICY_FILE / --policy-file): {exc}"
+            ) from None
     try:
         check_operator_templates(settings)
     except JobTemplateError as exc:

@@ -83,6 +83,19 @@ def test_a_missing_token_file_serves_401_to_everyone(tmp_path: Path) -> None:
     assert store.identify(f"Bearer {SECRET}") == "ops"  # a Secret mounted later is picked up
 
 
+def test_deleting_the_token_file_revokes_its_tokens(tmp_path: Path) -> None:
+    """Issue 37: the setting promises 401 while the file is missing; a deleted file used to keep its tokens."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text("ops:s3cret\n")
+    store = TokenStore({"static": "always"}, token_file)
+    assert store.load() == 2 and store.identify("Bearer s3cret") == "ops"
+    token_file.unlink()
+    assert store.identify("Bearer s3cret") is None  # 401
+    assert store.identify("Bearer always") == "static"  # XIDFLOW_API_TOKENS is not the file's
+    token_file.write_text("ops:n3w\n")  # the Secret created again
+    assert store.identify("Bearer n3w") == "ops" and store.identify("Bearer s3cret") is None
+
+
 def test_a_token_header_that_is_not_utf8_is_refused_not_an_error() -> None:
     store = TokenStore({"ops": SECRET})
     assert store.identify("Bearer \udcff\udcfe") is None
