@@ -38,8 +38,22 @@ from schemas.records import Outcome
 
 log = logging.getLogger("xidflow.actuator.metrics")
 
-AUDIT_ACTIONS = ("decide", "resume", "undo", "cancel", "breaker-trip", "rescue-request", "api-idempotency-conflict")
-"""Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``)."""
+AUDIT_ACTIONS: dict[str, str] = {
+    "decide": "The plan chosen for an incident or a rescue request (details: `rule`, `steps`), or why nothing is "
+    "done (outcome `skipped`: opt-out, manual-only mode, cancelled, blamed on a shared part).",
+    "resume": "A replica took over an open flow from the node's ledger (details as `decide`).",
+    "undo": "A recovery (NodeRecovered, `xidflow reset`) removed what the flow applied (details: what was removed).",
+    "cancel": "A person's uncordon ended the flows that owned the cordon (no re-cordon, no drain or reboot after it).",
+    "breaker-trip": "The circuit breaker tripped: the reason names the share and the limit.",
+    "rescue-request": "A rescue request refused for its signature (outcome `skipped`, details `refused`).",
+    "api-idempotency-conflict": "The decision API refused an Idempotency-Key reused with a different body (409).",
+    "sharedPart": "The shared-part rule blamed a part (a switch, a rack): the node is `<label>=<value>`, the record's "
+    "`shared_part` says which nodes.",
+}
+"""Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``, ``sharedparts``), with
+what the record says; every step's own name (``cordon``, ``drain``, ``drain#2``, ...) is one too (docs/audit.md).
+Also the closed label set of ``xidflow_remediations_total``."""
+
 
 STEP_ACTIONS: tuple[str, ...] = tuple(n for n in actions.ACTION_NAMES if actions.get(n).kind != Kind.MACRO)
 """Actions a flow step can be (a macro such as ``quarantine`` is expanded when planned)."""
