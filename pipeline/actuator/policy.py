@@ -418,11 +418,9 @@ def load_yaml_file(path: str | Path) -> PolicySet:
     built-in rule is what applies; say so by not setting one.
     """
     try:
-        text = Path(path).read_text(encoding="utf-8")
+        text = Path(path).read_text(encoding="utf-8")  # OSError: the caller says it cannot read the file
     except UnicodeDecodeError as exc:
         raise PolicyError(f"not UTF-8 text (byte {exc.start} cannot be decoded)") from None
-    except OSError as exc:
-        raise PolicyError(f"cannot be read: {exc.strerror or exc}") from None
     try:
         documents = [d for d in yaml.safe_load_all(text) if d is not None]
     except yaml.YAMLError as exc:
