@@ -27,9 +27,8 @@ from typing import Any
 
 import orjson
 
-from pipeline.benchmarks.pipeline import BenchContext, _pct, start_worker, timed_faults, warm_up
+from pipeline.benchmarks.pipeline import BenchContext, _pct, timed_faults, timed_world
 from pipeline.kafka import clients as kafka_clients
-from pipeline.runtime.settings import TopicNames
 
 FLOOD_LINE = b"NVRM: "
 """Each flood line is the kernel marker itself, so the parse stage's gate cannot pass it over as noise."""
@@ -88,20 +87,10 @@ async def _dead_letters(bootstrap: str, topic: str, node: str, until: float) -> 
 
 
 async def flood(ctx: BenchContext) -> dict[str, Any]:
-    prefix = f"bench-{ctx.run_id}-flood-"
-    topics = TopicNames(prefix=prefix)
-    kernel = topics.name("logs_kernel")
     samples = max(10, ctx.latency_samples // 4)
     flooder = f"flood-{ctx.run_id}-flooder"
-    worker = await start_worker(ctx, prefix, "flood")
-    producer = kafka_clients.producer(bootstrap=ctx.bootstrap, linger_ms=1, acks=1)
-    consumer = kafka_clients.consumer(
-        topics.name("incidents"), bootstrap=ctx.bootstrap, auto_offset_reset="latest", group_id=None
-    )
-    await producer.start()
-    await consumer.start()
-    try:
-        await warm_up(ctx, worker, producer, consumer, kernel, f"flood-{ctx.run_id}")
+    async with timed_world(ctx, "flood") as world:
+        producer, consumer, kernel, worker = world.producer, world.consumer, world.kernel, world.worker
         quiet = await timed_faults(ctx, producer, consumer, kernel, f"flood-{ctx.run_id}-q", samples, "flood: quiet")
         # The flood lasts the flooded phase's sending plus a little; its backlog is the worker's to read after.
         seconds = 3 + samples * 0.1
@@ -113,13 +102,9 @@ async def flood(ctx: BenchContext) -> dict[str, Any]:
         if flood_proc.returncode != 0:
             raise RuntimeError(f"flood producer failed: {err.decode(errors='replace')[-1000:]}")
         achieved = orjson.loads(out)
-        letters = await _dead_letters(ctx.bootstrap, topics.name("deadletter"), flooder, time.monotonic() + 5)
+        letters = await _dead_letters(ctx.bootstrap, world.topics.name("deadletter"), flooder, time.monotonic() + 5)
         if worker.proc.returncode is not None:
             raise RuntimeError(f"worker exited during the flood: {worker.log_tail()}")
-    finally:
-        await consumer.stop()
-        await producer.stop()
-        await worker.stop()
     if not quiet.latencies_ms:
         raise RuntimeError("no latency measured without the flood")
     q50, q99 = _pct(quiet.latencies_ms, 0.5), _pct(quiet.latencies_ms, 0.99)

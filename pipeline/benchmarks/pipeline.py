@@ -50,6 +50,7 @@ parse sections that use the same broker set-up; the scenario benches live beside
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -59,7 +60,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -428,19 +429,49 @@ async def warm_up(ctx: BenchContext, worker: BenchWorker, producer: Any, consume
     raise RuntimeError("worker did not produce an incident within 120 s")
 
 
-@register("latency")
-async def latency(ctx: BenchContext) -> dict[str, Any]:
-    prefix = f"bench-{ctx.run_id}-lat-"
-    topics = TopicNames(prefix=prefix)
-    worker = await start_worker(ctx, prefix, "lat")
+@dataclass
+class TimedWorld:
+    """A section's worker, warmed up, with a producer of raw lines and a reader of its incidents."""
+
+    worker: BenchWorker
+    producer: Any
+    consumer: Any
+    topics: TopicNames
+
+    @property
+    def kernel(self) -> str:
+        return self.topics.name("logs_kernel")
+
+
+@contextlib.asynccontextmanager
+async def timed_world(ctx: BenchContext, name: str) -> AsyncIterator[TimedWorld]:
+    """Topics ``bench-<run>-<name>-``, a worker on them that turned a fault line into an incident, the clients."""
+    topics = TopicNames(prefix=f"bench-{ctx.run_id}-{name}-")
+    worker = await start_worker(ctx, topics.prefix, name)
     producer = kafka_clients.producer(bootstrap=ctx.bootstrap, linger_ms=1, acks=1)
     consumer = kafka_clients.consumer(
         topics.name("incidents"), bootstrap=ctx.bootstrap, auto_offset_reset="latest", group_id=None
     )
     await producer.start()
     await consumer.start()
+    try:
+        await warm_up(ctx, worker, producer, consumer, topics.name("logs_kernel"), f"{name}-{ctx.run_id}")
+        yield TimedWorld(worker, producer, consumer, topics)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+        await worker.stop()
+
+
+@register("latency")
+async def latency(ctx: BenchContext) -> dict[str, Any]:
+    async with timed_world(ctx, "lat") as world:
+        return await _latency(ctx, world)
+
+
+async def _latency(ctx: BenchContext, world: TimedWorld) -> dict[str, Any]:
+    producer, consumer, kernel = world.producer, world.consumer, world.kernel
     latencies: list[float] = []
-    kernel = topics.name("logs_kernel")
     stop = asyncio.Event()
     noise_sent = 0
 
@@ -459,22 +490,17 @@ async def latency(ctx: BenchContext) -> dict[str, Any]:
             next_at += tick
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
+    noise_task = asyncio.ensure_future(noise())
     try:
-        await warm_up(ctx, worker, producer, consumer, kernel, f"lat-{ctx.run_id}")
-        noise_task = asyncio.ensure_future(noise())
         await asyncio.sleep(2)  # let the noise reach steady state
         noise_started, noise_count0 = time.monotonic(), noise_sent
         timed = await timed_faults(ctx, producer, consumer, kernel, f"lat-{ctx.run_id}-m", ctx.latency_samples,
                                    "latency")
         latencies = timed.latencies_ms
         achieved = (noise_sent - noise_count0) / (time.monotonic() - noise_started)
-        stop.set()
-        await asyncio.gather(noise_task, return_exceptions=True)
     finally:
         stop.set()
-        await consumer.stop()
-        await producer.stop()
-        await worker.stop()
+        await asyncio.gather(noise_task, return_exceptions=True)
     if not latencies:
         raise RuntimeError("no incident latency measured")
     return {

@@ -434,18 +434,8 @@ class ParseCore:
             handler(rec, result, now)
         except Exception as exc:  # noqa: BLE001 - the stage never dies on input; the reason says why
             log.exception("parse error at %s[%d]@%d", rec.topic, rec.partition, rec.offset)
-            result.dead_letters.append(
-                DeadLetter.of(
-                    STAGE,
-                    f"parse error {type(exc).__name__}: {exc}",
-                    rec.value,
-                    DeadLetterCode.PARSE_ERROR,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            why = f"parse error {type(exc).__name__}: {exc}"
+            result.dead_letters.append(_letter(rec, why, DeadLetterCode.PARSE_ERROR))
 
     def _decode_and_detect(self, rec: RawRecord, result: BatchResult, now: float) -> None:
         most = self.settings.max_lines_per_record
@@ -462,19 +452,12 @@ class ParseCore:
         found = max(raw_lines, cap_lines(lines, most))
         if found > most:
             # The first lines are parsed (a fault among them is still seen); the record, once, says the rest were not.
-            dead.append(
-                DeadLetter.of(
-                    STAGE,
-                    f"{found} lines in one record, past the limit of {most} (XIDFLOW_PARSE_MAX_LINES_PER_RECORD): "
-                    f"the first {most} were parsed, the rest not; the payload is the input",
-                    rec.value,
-                    DeadLetterCode.TOO_MANY_LINES,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            dead.append(_letter(
+                rec,
+                f"{found} lines in one record, past the limit of {most} (XIDFLOW_PARSE_MAX_LINES_PER_RECORD): "
+                f"the first {most} were parsed, the rest not; the payload is the input",
+                DeadLetterCode.TOO_MANY_LINES,
+            ))
         limit = self.settings.max_line_chars
         cut = 0
         for line in lines:
@@ -491,18 +474,10 @@ class ParseCore:
                 self.partial[line.node] = (rec.topic, rec.partition, rec.offset, now)
         if cut:
             # The whole input, once, where an operator can read what was cut (itself cut to 64 KiB).
-            dead.append(
-                DeadLetter.of(
-                    STAGE,
-                    f"over-long line: {cut} characters cut to {limit} per line; the payload is the input",
-                    rec.value,
-                    DeadLetterCode.TRUNCATED,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            dead.append(_letter(
+                rec, f"over-long line: {cut} characters cut to {limit} per line; the payload is the input",
+                DeadLetterCode.TRUNCATED,
+            ))
         if dead:
             result.dead_letters += cap_dead_letters(dead, self.settings.max_dead_letters_per_record)
 
@@ -518,18 +493,7 @@ class ParseCore:
             check = HealthCheckResult.from_bytes(rec.value)
         except (ValidationError, ValueError) as exc:
             reason = f"not a HealthCheckResult: {str(exc).splitlines()[0]}"
-            result.dead_letters.append(
-                DeadLetter.of(
-                    STAGE,
-                    reason,
-                    rec.value,
-                    DeadLetterCode.INVALID_RECORD,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            result.dead_letters.append(_letter(rec, reason, DeadLetterCode.INVALID_RECORD))
             return
         result.decoded += 1
         if check.passed:
@@ -565,6 +529,12 @@ class ParseCore:
             if tp not in held or offset < held[tp]:
                 held[tp] = offset
         return held
+
+
+def _letter(rec: RawRecord, reason: str, code: DeadLetterCode) -> DeadLetter:
+    """The dead letter of one record of the parse path: its coordinates, and the record as the payload."""
+    return DeadLetter.of(STAGE, reason, rec.value, code, topic=rec.topic, partition=rec.partition, offset=rec.offset,
+                         key=_text(rec.key))
 
 
 def _sizes(records: Sequence[RawRecord]) -> list[int] | None:

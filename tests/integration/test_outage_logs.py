@@ -14,10 +14,8 @@ import asyncio
 import collections
 import os
 import re
-import socket
 import subprocess
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -32,6 +30,7 @@ from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.runtime.settings import TopicNames
+from tests.integration.relay import Relay
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -120,64 +119,6 @@ async def test_a_broker_outage_is_a_few_sentences_per_process(
         back = [line for line in text.splitlines() if "Kafka broker reachable again" in line]
         assert len(lost) == 1 and len(back) == 1, f"{name}: {lost} {back}\n{text[-3000:]}"
         assert summary[name]["lines"] <= 25, f"{name}: {summary[name]}\n{text[-6000:]}"
-
-
-class Relay:
-    """A TCP relay to the API server that can be cut (listener and every open connection) and restored."""
-
-    def __init__(self, upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        probe = socket.create_server(("127.0.0.1", 0))
-        self.port = probe.getsockname()[1]
-        probe.close()
-        self.lock = threading.Lock()
-        self.sockets: list[socket.socket] = []
-        self.listener: socket.socket | None = None
-
-    def start(self) -> None:
-        self.listener = socket.create_server(("127.0.0.1", self.port), reuse_port=True)
-        threading.Thread(target=self._accept, args=(self.listener,), daemon=True).start()
-
-    def cut(self) -> None:
-        with self.lock:
-            doomed, self.sockets = [*self.sockets, self.listener], []
-        for sock in doomed:
-            if sock is not None:
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                sock.close()
-
-    def _accept(self, listener: socket.socket) -> None:
-        while True:
-            try:
-                down, _ = listener.accept()
-            except OSError:
-                return
-            try:
-                up = socket.create_connection(self.upstream)
-            except OSError:
-                down.close()
-                continue
-            with self.lock:
-                self.sockets += [down, up]
-            for src, dst in ((down, up), (up, down)):
-                threading.Thread(target=self._pipe, args=(src, dst), daemon=True).start()
-
-    @staticmethod
-    def _pipe(src: socket.socket, dst: socket.socket) -> None:
-        try:
-            while data := src.recv(65536):
-                dst.sendall(data)
-        except OSError:
-            pass
-        finally:
-            for sock in (src, dst):
-                try:
-                    sock.close()
-                except OSError:
-                    pass
 
 
 def relayed_kubeconfig(kubeconfig: str, path: Path) -> tuple[Relay, Path]:
