@@ -11,8 +11,10 @@ their ratio (``flood_vs_quiet_p50_ratio``, ``flood_vs_quiet_p99_ratio``): the ma
 
 Also reported: what the flood achieved (``flood_mb_per_s``, ``flood_records``), the good faults whose incident
 did not come within a minute after the last was sent (``flood_missing``; each counts as the time it was waited
-for, so the flooded percentiles are then lower bounds), and the dead letters the flooding node got, by code
-(``flood_deadletters``): what the parse stage's bounds (``XIDFLOW_PARSE_MAX_LINES_PER_RECORD``,
+for, so the flooded percentiles are then lower bounds), the flooded latencies of the good nodes whose records share
+the flooder's partition (``flood_same_partition_*``: they wait behind its records there, per-partition order) and
+of the others (``flood_other_partitions_*``: they share only the stage's CPU), and the dead letters the flooding
+node got, by code (``flood_deadletters``): what the parse stage's bounds (``XIDFLOW_PARSE_MAX_LINES_PER_RECORD``,
 ``..._MAX_KEY_BYTES_PER_BATCH``) turned its excess into.
 """
 
@@ -29,6 +31,7 @@ import orjson
 
 from pipeline.benchmarks.pipeline import BenchContext, _pct, timed_faults, timed_world
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.partitioner import KeyPartitioner
 
 FLOOD_LINE = b"NVRM: "
 """Each flood line is the kernel marker itself, so the parse stage's gate cannot pass it over as noise."""
@@ -111,7 +114,20 @@ async def flood(ctx: BenchContext) -> dict[str, Any]:
     # A good fault whose incident never came counts as the time it was waited for: a lower bound.
     waited = flooded.latencies_ms + [flooded.waited_ms] * flooded.missing
     f50, f99 = _pct(waited, 0.5), _pct(waited, 0.99)
+    # Good nodes whose records share the flooder's partition wait behind its records there (per-partition order);
+    # the others only share the stage's CPU.
+    partition = KeyPartitioner()
+    flooded_partition = partition(flooder.encode(), list(range(ctx.partitions)), [])
+    sharing = sorted(v for n, v in flooded.by_node.items()
+                     if partition(n.encode(), list(range(ctx.partitions)), []) == flooded_partition)
+    apart = sorted(v for n, v in flooded.by_node.items()
+                   if partition(n.encode(), list(range(ctx.partitions)), []) != flooded_partition)
     return {
+        "flood_other_partitions_p50_ms": _pct(apart, 0.5) if apart else None,
+        "flood_other_partitions_p99_ms": _pct(apart, 0.99) if apart else None,
+        "flood_same_partition_p50_ms": _pct(sharing, 0.5) if sharing else None,
+        "flood_same_partition_p99_ms": _pct(sharing, 0.99) if sharing else None,
+        "flood_same_partition_samples": len(sharing),
         "flood_quiet_p50_ms": q50,
         "flood_quiet_p99_ms": q99,
         "flood_p50_ms": f50,

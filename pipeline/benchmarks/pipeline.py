@@ -521,6 +521,8 @@ class Timed:
     """Fault lines whose incident did not come within the deadline."""
     waited_ms: float = 0.0
     """How long the last fault line's incident was waited for (a missing one's latency is at least this)."""
+    by_node: dict[str, float] = field(default_factory=dict)
+    """Each node's latency (ms); the missing ones are not in it."""
 
 
 async def timed_faults(
@@ -529,7 +531,7 @@ async def timed_faults(
 ) -> Timed:
     """One fault line for a fresh node (``<tag>-<i>``) every ``interval_s``; the latency of each one's incident."""
     sent: dict[str, float] = {}
-    latencies: list[float] = []
+    by_node: dict[str, float] = {}
 
     async def faults() -> None:
         for i in range(count):
@@ -543,19 +545,20 @@ async def timed_faults(
     started = time.monotonic()
     deadline = started + count * interval_s + wait_s
     try:
-        while len(latencies) < count and time.monotonic() < deadline:
+        while len(by_node) < count and time.monotonic() < deadline:
             batches = await consumer.getmany(timeout_ms=100)
             now = time.time()
             for records in batches.values():
                 for rec in records:
                     node = rec.key.decode() if rec.key else ""
                     if node.startswith(f"{tag}-") and node in sent and orjson.loads(rec.value).get("revision") == 0:
-                        latencies.append((now - sent.pop(node)) * 1000)
-                        ctx.progress(task, len(latencies), count)
+                        by_node[node] = (now - sent.pop(node)) * 1000
+                        ctx.progress(task, len(by_node), count)
     finally:
         sending.cancel()
         await asyncio.gather(sending, return_exceptions=True)
-    return Timed(sorted(latencies), count - len(latencies), (time.monotonic() - started - count * interval_s) * 1000)
+    waited_ms = (time.monotonic() - started - count * interval_s) * 1000
+    return Timed(sorted(by_node.values()), count - len(by_node), waited_ms, by_node)
 
 
 @register("flood")
