@@ -78,6 +78,8 @@ AUDIT_DETAILS: dict[str, str] = {
     # taintDevice
     "scope": "taintDevice: what the fault affects (`gpu` or `node`).",
     "pci": "taintDevice: the faulty GPU's PCI address.",
+    "gpu_instance": "taintDevice: the MIG GPU instance the fault names (`GPU-I:<n>` in the Xid), when it names one: "
+    "that instance's MIG device is tainted where the DRA driver publishes it, else the whole GPU.",
     "verdict": "taintDevice: `device`, `device+node` (over maxTaintedDevices: the node is cordoned too) or `node`.",
     "rules": "taintDevice: the DeviceTaintRules created (names).",
     "devices": "taintDevice: the DRA devices tainted (driver, pool, device).",

@@ -131,10 +131,10 @@ def gate_markers() -> tuple[str, ...]:
     (``gate_patterns``) and treats any ``\\u`` escape as a possible marker. tests/unit/test_parse_stage.py
     checks this stays equivalent to the prefilter.
     """
-    from pipeline.ingest.parsing.kernel import NCCL_MARKER, NVRM_MARKER, SXID_MARKER
+    from pipeline.ingest.parsing.kernel import KERNEL_MARKERS
     from pipeline.ingest.parsing.pod import POD_ANCHORS
 
-    return (NVRM_MARKER, SXID_MARKER, NCCL_MARKER, *POD_ANCHORS)
+    return (*KERNEL_MARKERS, *POD_ANCHORS)
 
 
 UNICODE_ESCAPE = b"\\u"

@@ -62,7 +62,9 @@ class LokiRequestRejected(Exception):
 
 TAIL_PATH = "/loki/api/v1/tail"
 MAX_DELAY_FOR_S = 5  # Loki rejects delay_for above 5 seconds
-DEFAULT_LIMIT = 5000  # Loki's default max_entries_limit_per_query; larger limits are refused
+# Entries replayed on (re)connect: Loki's default max_entries_limit_per_query, which bounds queries but not a
+# tail's replay (Loki 3.7 takes a larger tail limit; tests/integration/test_loki_tail.py asks the real one).
+DEFAULT_LIMIT = 5000
 RESUME_HEADER = "xidflow-loki-tail"
 DEFAULT_RESUME_SCAN = 10_000
 RESUME_APPROACH_RECORDS = 500

@@ -45,7 +45,7 @@ def test_every_component_the_configuration_uses_is_built(config: dict) -> None:
 
 def test_the_prefilter_is_fluent_bits_keep_list(config: dict) -> None:
     fluent_bit = yaml.safe_load(FLUENT_BIT.read_text())
-    grep = next(f for f in fluent_bit["pipeline"]["filters"] if f["name"] == "grep" and f["match"] == "kernel")
+    grep = next(f for f in fluent_bit["pipeline"]["filters"] if f["name"] == "grep" and f["match"] == "kernel*")
     keep = grep["regex"].partition(" ")[2]
     (operator,) = config["receivers"]["file_log/kernel"]["operators"]
     assert operator["type"] == "filter"
