@@ -261,8 +261,7 @@ async def test_a_stolen_token_writes_only_xidflows_pod_conditions_events_and_sin
                 "involvedObject": {"apiVersion": "v1", "kind": kind, "name": "train-0", "namespace": ns}}
         return sa._call(sa.core.create_namespaced_event, ns, body, dry_run="All")
 
-    rules = client.CustomObjectsApi(env.kube.api_client)  # the group/version/plural path serves built-in kinds too
-    sa_rules = client.CustomObjectsApi(sa.api_client)
+    sa_rules = client.CustomObjectsApi(sa.api_client)  # the group/version/plural path serves built-in kinds too
 
     def device_rule(selector: dict[str, str]) -> Awaitable[Any]:
         body = {"apiVersion": "resource.k8s.io/v1beta2", "kind": "DeviceTaintRule",
@@ -271,7 +270,6 @@ async def test_a_stolen_token_writes_only_xidflows_pod_conditions_events_and_sin
         return sa._call(sa_rules.create_cluster_custom_object, "resource.k8s.io", "v1beta2", "devicetaintrules",
                         body, dry_run="All")
 
-    assert rules is not None
     condition = {"type": GPU_FAULT_CONDITION, "status": "True", "reason": "XidError", "message": "m"}
     await until_in_force(lambda: answer(pod_status({"status": {"phase": "Failed"}})), "no pod phase")
     refused = {
@@ -293,7 +291,7 @@ async def test_a_stolen_token_writes_only_xidflows_pod_conditions_events_and_sin
 
 
 async def test_the_actuator_does_its_work_under_the_shipped_policies(
-    world: tuple[Guarded, dict[str, str]], tmp_path: Path
+    world: tuple[Guarded, dict[str, str]],
 ) -> None:
     """Quarantine (cordon, taint, condition, Events, the pods' condition) and a GPU reset, as the ServiceAccount
     with every shipped policy in force; the reset's Job is admitted because the step put xidflow's taint first."""
