@@ -454,6 +454,8 @@ class DeadLetterCode(StrEnum):
     OUTPUT_FAILED = "output_failed"
     MORE_PROBLEMS = "more_problems"
     UNDECODABLE = "undecodable"  # a record batch no client can decode (corrupt): the marker names its offsets
+    TOO_MANY_LINES = "too_many_lines"  # a record past XIDFLOW_PARSE_MAX_LINES_PER_RECORD: its first lines parsed
+    NODE_OVER_BUDGET = "node_over_budget"  # a node's records past XIDFLOW_PARSE_MAX_KEY_BYTES_PER_BATCH in a batch
     OTHER = "other"
 
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import re
 import ssl
@@ -46,6 +47,7 @@ from pipeline.ingest.adapters import decode_record
 from pipeline.ingest.loki_tail import Backoff, LokiAuth, LokiRequestRejected, LokiTailBridge
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.loki import LokiServer, push_lines
+from pipeline.runtime.reachability import LOKI
 from schemas.records import DeadLetter
 
 pytestmark = pytest.mark.integration
@@ -462,7 +464,7 @@ async def test_real_loki_lines_reach_incidents_through_the_loki_tail_command(
 
 
 async def test_loki_restarted_mid_stream_no_gap_no_duplicate_and_bridge_resumes(
-    loki: LokiServer, kafka_bootstrap: str, unique
+    loki: LokiServer, kafka_bootstrap: str, unique, caplog: pytest.LogCaptureFixture
 ) -> None:
     topic, dead_topic = unique("loki-real"), unique("loki-real-dead")
     await ensure_topics(kafka_bootstrap, [topic, dead_topic], partitions=3)
@@ -488,12 +490,19 @@ async def test_loki_restarted_mid_stream_no_gap_no_duplicate_and_bridge_resumes(
     try:
         batch("before")
         await wait_until(lambda: bridge.stats.produced >= 10, "lines before the restart", task)
+        caplog.clear()
+        caplog.set_level(logging.INFO)
         await asyncio.to_thread(loki.stop)  # Loki goes away mid-stream...
         await asyncio.sleep(1)
         await asyncio.to_thread(loki.start)  # ...and comes back on the same data (WAL replayed)
         batch("after-loki-restart")
         await wait_until(lambda: bridge.stats.produced >= 20, "lines after Loki's restart", task)
         assert bridge.stats.connections >= 2
+        # Its outage is said as a state change (pipeline.runtime.reachability.LOKI), not once per reconnection.
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("pipeline.ingest.loki_tail")
+                and r.levelno >= logging.WARNING]
+        assert not said, said
+        await wait_until(lambda: not LOKI.down, "Loki said to be back", task)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

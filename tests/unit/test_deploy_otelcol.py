@@ -73,3 +73,12 @@ def test_the_build_files_ship_in_the_package() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
     for path in (otelcol.MANIFEST, otelcol.OTEL_GOMOD, otelcol.OTEL_GOSUM):
         assert str(path.relative_to(ROOT / "pipeline")) in data
+
+
+def test_a_batch_holds_no_more_lines_than_the_worker_parses_of_one_record(config: dict) -> None:
+    """One Kafka record per batch: past XIDFLOW_PARSE_MAX_LINES_PER_RECORD a record's lines are dead letters."""
+    from pipeline.ingest.bounds import DEFAULT_MAX_LINES_PER_RECORD
+
+    batch = config["processors"]["batch"]
+    assert batch["send_batch_max_size"] <= DEFAULT_MAX_LINES_PER_RECORD
+    assert batch["send_batch_size"] <= batch["send_batch_max_size"]
