@@ -1,9 +1,15 @@
-"""Shared fixtures: real Kafka and a real kube-apiserver, started once per test session.
+"""Shared fixtures: real Kafka and a real Kubernetes control plane, started once per test session.
 
 Endpoints in the environment (``KAFKA_BOOTSTRAP_SERVERS``, ``KUBECONFIG``) are used as they are;
 otherwise the session starts its own private instance (testcontainers when Docker answers, else
-the local builds) in a temporary state directory and stops it at the end. Infrastructure that
-cannot start fails the tests that need it, loudly; nothing is skipped.
+the local builds: etcd, kube-apiserver, kube-controller-manager, kube-scheduler and KWOK) in a
+temporary state directory and stops it at the end. Infrastructure that cannot start fails the tests
+that need it, loudly; nothing is skipped.
+
+The session's control plane judges node heartbeats faster than a cluster's defaults
+(``NODE_MONITOR_GRACE_S``, ``NODE_LEASE_S``) so that a test watching a silent node go ``Unknown``
+waits about half a minute, not a minute: KWOK renews each Lease every 2.5 s, so a node is judged
+silent only after 7 renewals in a row were missed (a KWOK stalled for 17 s on a loaded machine).
 
 Per-test isolation comes from ``unique(prefix)``: unique topic, group, namespace and node names.
 """
@@ -24,6 +30,8 @@ from pipeline.localinfra.kafka import KafkaCluster
 from pipeline.localinfra.launcher import Endpoints, LocalInfra
 
 _SESSION_TAG = uuid.uuid4().hex[:6]
+NODE_MONITOR_GRACE_S = 20
+NODE_LEASE_S = 10
 _counter = itertools.count(1)
 
 
@@ -36,10 +44,11 @@ def local_infra(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoints]
     state_dir = tmp_path_factory.mktemp("xidflow-infra")
     infra = LocalInfra(state_dir=state_dir, log=_log)
     try:
-        endpoints = infra.up(kafka_brokers=1, detach=False)
+        endpoints = infra.up(kafka_brokers=1, detach=False, node_monitor_grace_s=NODE_MONITOR_GRACE_S,
+                             node_lease_s=NODE_LEASE_S)
     except Exception as exc:  # noqa: BLE001 - any failure to start must fail loudly, with its cause
         infra.down(quiet=True)
-        pytest.fail(f"test infrastructure could not start (Kafka / kube-apiserver): {exc}", pytrace=False)
+        pytest.fail(f"test infrastructure could not start (Kafka / Kubernetes control plane): {exc}", pytrace=False)
     _log(f"Kafka from {endpoints.kafka_source}; Kubernetes from {endpoints.kube_source}")
     yield endpoints
     infra.down(quiet=True)
@@ -106,4 +115,4 @@ def pytest_report_header(config: pytest.Config) -> list[str]:
     given = [v for v in ("KAFKA_BOOTSTRAP_SERVERS", "KUBECONFIG") if os.environ.get(v)]
     if given:
         return [f"xidflow: using endpoints from the environment: {', '.join(given)}"]
-    return ["xidflow: integration tests start a private Kafka + kube-apiserver for this session"]
+    return ["xidflow: integration tests start a private Kafka + Kubernetes control plane (with KWOK) for this session"]

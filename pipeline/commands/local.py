@@ -1,4 +1,4 @@
-"""``xidflow local``: the embedded default infrastructure (Kafka + kube-apiserver) on this machine."""
+"""``xidflow local``: the embedded default infrastructure (Kafka + a Kubernetes control plane) on this machine."""
 
 from __future__ import annotations
 
@@ -40,7 +40,8 @@ state_dir_option = click.option(
 
 @click.group()
 def local() -> None:
-    """Start, inspect and stop the local Kafka broker and Kubernetes API server."""
+    """Start, inspect and stop the local Kafka broker and Kubernetes control plane (API server, controllers,
+    scheduler, KWOK nodes)."""
 
 
 @local.command()
@@ -94,7 +95,7 @@ def install(loki: bool, rsyslog: bool, fluent_bit: bool, promtool: bool, otelcol
 @click.option("--loki", is_flag=True, help="Also start a single-binary Loki on loopback (prints LOKI_URL).")
 @state_dir_option
 def up(kafka_brokers: int, kafka_security: str, loki: bool, state_dir: Path | None) -> None:
-    """Start Kafka and the API server in the background (endpoints from the environment win)."""
+    """Start Kafka and the Kubernetes control plane in the background (endpoints from the environment win)."""
     infra = LocalInfra.load(state_dir or default_state_dir(), log=_log)
     t0 = time.monotonic()
     try:

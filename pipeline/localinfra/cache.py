@@ -10,6 +10,7 @@ nothing recognises and the next build of the same target clears.
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 from collections.abc import Iterator
@@ -46,6 +47,16 @@ def _clear_abandoned(target: Path) -> None:
         if pid.isdigit() and _alive(int(pid)) and int(pid) != os.getpid():
             continue
         shutil.rmtree(stale, ignore_errors=True)
+
+
+@contextmanager
+def one_builder(target: Path) -> Iterator[None]:
+    """Hold the build lock of ``target``: one build at a time; a second caller (another test session,
+    ``local install``, the demo) waits here for the first, then finds the target complete."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{target.name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
 
 
 @contextmanager

@@ -16,7 +16,6 @@ names another folder. ``ensure_fluent_bit`` returns, in order of preference:
 
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import os
 import re
@@ -97,10 +96,7 @@ def ensure_fluent_bit(log: Log = print) -> Path:
         raise InstallError(
             f"the Fluent Bit {VERSION} source is not at {tarball}; put the vendored tarball there, point "
             "XIDFLOW_VENDOR_DIR at its folder, or set FLUENT_BIT_BIN to a fluent-bit binary")
-    binary.parent.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time: a second caller (another test session, the demo) waits for the first.
-    with open(binary.parent.parent / f".{binary.parent.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cache.one_builder(binary.parent):
         if fluent_bit_installed():
             return binary
         _verify_checksum(tarball)

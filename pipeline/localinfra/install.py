@@ -2,8 +2,11 @@
 
 - Kafka: the broker's runtime closure resolved by Maven from ``kafka/pom.xml`` into
   ``<cache>/kafka/<version>-<pomhash>/libs``.
-- kube-apiserver and etcd: built by Go from ``gobuild/go.mod`` (published modules only) into
-  ``<cache>/controlplane/<k8s-version>-<modhash>/``.
+- kube-apiserver, kube-controller-manager, kube-scheduler and etcd: one Go build of ``gobuild/go.mod``
+  (published modules only; ``gobuild/regen.sh`` writes it) into ``<cache>/controlplane/<k8s-version>-<modhash>/``.
+- KWOK (the node and pod simulator): built by Go from ``kwokbuild/go.mod`` into
+  ``<cache>/kwok/<version>-<modhash>/``, with the module's own ``kustomize/stage`` and ``kustomize/rbac``
+  files copied beside it (:mod:`pipeline.localinfra.kwok` configures it from them).
 
 A second start finds the cache and takes seconds. Failures say which tool failed and why. A long
 build or resolve says where its result is cached and logs its elapsed time and progress (packages
@@ -33,6 +36,9 @@ HERE = Path(__file__).parent
 POM = HERE / "kafka" / "pom.xml"
 GOMOD = HERE / "gobuild" / "go.mod"
 GOSUM = HERE / "gobuild" / "go.sum"
+KWOK_GOMOD = HERE / "kwokbuild" / "go.mod"
+KWOK_GOSUM = HERE / "kwokbuild" / "go.sum"
+KWOK_MODULE = "sigs.k8s.io/kwok"
 
 Log = Callable[[str], None]
 
@@ -154,6 +160,16 @@ def go_build_meter() -> Meter:
     return meter
 
 
+def go_env() -> dict[str, str]:
+    """The environment of a pinned Go build: static binaries, and ``-mod=readonly`` (the user's other GOFLAGS kept).
+
+    A module missing from the committed ``go.sum`` fails the build instead of being resolved anew: what is
+    compiled is exactly what the repository pins.
+    """
+    flags = " ".join(f for f in os.environ.get("GOFLAGS", "").split() if not f.startswith("-mod="))
+    return dict(os.environ, CGO_ENABLED="0", GOFLAGS=f"{flags} -mod=readonly".strip())
+
+
 def go_build(go: str, args: Sequence[str], cwd: Path, what: str, log: Log, env: dict[str, str],
              cached_in: Path) -> None:
     """``go build -v ARGS``, its progress counted in packages built."""
@@ -213,33 +229,124 @@ class ControlPlaneDist:
     version: str
     kube_apiserver: Path
     etcd: Path
+    kube_controller_manager: Path
+    kube_scheduler: Path
+
+    @property
+    def binaries(self) -> tuple[Path, ...]:
+        return (self.kube_apiserver, self.etcd, self.kube_controller_manager, self.kube_scheduler)
+
+
+CONTROLPLANE_PACKAGES = (
+    "k8s.io/kubernetes/cmd/kube-apiserver",
+    "k8s.io/kubernetes/cmd/kube-controller-manager",
+    "k8s.io/kubernetes/cmd/kube-scheduler",
+    "go.etcd.io/etcd/server/v3",
+)
+"""What the one Go build of ``gobuild/go.mod`` compiles (its ``tool`` lines; ``gobuild/regen.sh`` writes both)."""
+
+
+def controlplane_target() -> Path:
+    return cache_root() / "controlplane" / f"{kubernetes_version()}-{_digest(GOMOD, GOSUM)}"
+
+
+def build_pinned_go(target: Path, stamp: str, files: Sequence[str], gomod: Path, gosum: Path,
+                    build: Callable[[str, Path, Path], None]) -> None:
+    """Publish ``target`` with ``files`` unless it is complete: ``build(go, module_dir, staging)`` runs in a
+    folder holding copies of the pinned ``gomod``/``gosum``, one builder of ``target`` at a time (a second
+    caller waits, then finds it complete), into a staging folder published whole."""
+    if cache.is_complete(target, *files):
+        return
+    go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
+    with cache.one_builder(target):
+        if cache.is_complete(target, *files):
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f"xidflow-{target.parent.name}-build-"))
+        try:
+            shutil.copy(gomod, tmp / "go.mod")
+            shutil.copy(gosum, tmp / "go.sum")
+            with cache.publishing(target, stamp, *files) as staging:
+                build(go, tmp, staging)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
 
 def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
-    """Build kube-apiserver and etcd with Go from published modules (cached by version)."""
+    """Build kube-apiserver, kube-controller-manager, kube-scheduler and etcd with Go, in one build from
+    published modules (cached by version)."""
     version = kubernetes_version()
-    target = cache_root() / "controlplane" / f"{version}-{_digest(GOMOD, GOSUM)}"
-    dist = ControlPlaneDist(version, target / "kube-apiserver", target / "etcd")
-    if cache.is_complete(target, dist.kube_apiserver.name, dist.etcd.name):
-        return dist
-    go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
-    tmp = Path(tempfile.mkdtemp(prefix="xidflow-gobuild-"))
-    try:
-        shutil.copy(GOMOD, tmp / "go.mod")
-        shutil.copy(GOSUM, tmp / "go.sum")
-        env = dict(os.environ, CGO_ENABLED="0", GOFLAGS="-mod=mod")
-        with cache.publishing(target, version, dist.kube_apiserver.name, dist.etcd.name) as staging:
-            go_build(
-                go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", "k8s.io/kubernetes/cmd/kube-apiserver",
-                     "go.etcd.io/etcd/server/v3"],
-                tmp, f"building kube-apiserver {version} and etcd with Go (minutes on a cold cache)", log, env,
-                target,
-            )
-            (staging / "server").rename(staging / dist.etcd.name)
-        log(f"kube-apiserver {version} and etcd installed in {target}")
-        return dist
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+    target = controlplane_target()
+    dist = ControlPlaneDist(version, target / "kube-apiserver", target / "etcd", target / "kube-controller-manager",
+                            target / "kube-scheduler")
+
+    def build(go: str, module: Path, staging: Path) -> None:
+        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", *CONTROLPLANE_PACKAGES], module,
+                 f"building the control plane {version} (kube-apiserver, kube-controller-manager, kube-scheduler) "
+                 "and etcd with Go (minutes on a cold cache)", log, go_env(), target)
+        (staging / "server").rename(staging / dist.etcd.name)
+        log(f"kube-apiserver, kube-controller-manager, kube-scheduler {version} and etcd built for {target}")
+
+    build_pinned_go(target, version, [b.name for b in dist.binaries], GOMOD, GOSUM, build)
+    return dist
+
+
+@dataclass(frozen=True)
+class KwokDist:
+    """The KWOK binary and, beside it, the module's own ``kustomize/stage`` and ``kustomize/rbac`` files."""
+
+    version: str
+    binary: Path
+
+    @property
+    def module_files(self) -> Path:
+        return self.binary.parent / "module"
+
+
+KWOK_MODULE_DIRS = ("kustomize/stage", "kustomize/rbac")
+"""The folders of the KWOK module copied beside the binary: its Stage YAML and its controller's ClusterRole."""
+
+
+def kwok_version() -> str:
+    """The KWOK version pinned in ``kwokbuild/go.mod`` (``vX.Y.Z``)."""
+    m = re.search(rf"^\s*(?:require\s+)?{re.escape(KWOK_MODULE)} (v\S+)", KWOK_GOMOD.read_text(), re.M)
+    if not m:
+        raise InstallError(f"{KWOK_GOMOD}: no '{KWOK_MODULE} vX.Y.Z' requirement")
+    return m.group(1)
+
+
+def ensure_kwok(log: Log = print) -> KwokDist:
+    """Build KWOK with Go from its published module (cached by version); copy the module's stages and role.
+
+    KWOK has a module graph of its own (its ``k8s.io`` and OpenTelemetry versions are not the API
+    server's), so it is built from ``kwokbuild/go.mod`` rather than ``gobuild/go.mod``: sharing would
+    change what the control plane compiles.
+    """
+    version = kwok_version()
+    target = cache_root() / "kwok" / f"{version}-{_digest(KWOK_GOMOD, KWOK_GOSUM)}"
+    dist = KwokDist(version, target / "kwok")
+
+    def build(go: str, module: Path, staging: Path) -> None:
+        env = go_env()
+        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / dist.binary.name), f"{KWOK_MODULE}/cmd/kwok"],
+                 module, f"building KWOK {version} with Go (minutes on a cold cache)", log, env, target)
+        source = _module_dir(go, module, env, KWOK_MODULE)
+        for folder in KWOK_MODULE_DIRS:
+            # The module cache is read-only: copies that are not would stay removable.
+            shutil.copytree(source / folder, staging / dist.module_files.name / folder, copy_function=shutil.copyfile)
+        log(f"KWOK {version} built for {target}")
+
+    files = [dist.binary.name, *(f"{dist.module_files.name}/{d}" for d in KWOK_MODULE_DIRS)]
+    build_pinned_go(target, version, files, KWOK_GOMOD, KWOK_GOSUM, build)
+    return dist
+
+
+def _module_dir(go: str, build_dir: Path, env: dict[str, str], module: str) -> Path:
+    """Where Go unpacked ``module`` for the build in ``build_dir`` (``go list -m``)."""
+    proc = subprocess.run([go, "list", "-m", "-f", "{{.Dir}}", module], cwd=build_dir, env=env,
+                          capture_output=True, text=True)
+    if proc.returncode != 0 or not proc.stdout.strip():
+        raise InstallError(f"`go list -m {module}` failed (exit {proc.returncode}): {proc.stderr.strip()[-1000:]}")
+    return Path(proc.stdout.strip())
 
 
 @dataclass(frozen=True)
@@ -254,8 +361,10 @@ def install_steps() -> list[InstallStep]:
     """What `xidflow local install` installs, in order. A step added here is shown with the others."""
     return [
         InstallStep("Kafka broker jars (Maven)", ensure_kafka),
-        InstallStep("kube-apiserver and etcd (Go build)", ensure_controlplane),
+        InstallStep("Kubernetes control plane and etcd (Go build)", ensure_controlplane),
+        InstallStep("KWOK, the node and pod simulator (Go build)", ensure_kwok),
     ]
+
 
 
 def run_steps(steps: Sequence[InstallStep], console: Any = None) -> float:

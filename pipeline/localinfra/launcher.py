@@ -1,4 +1,4 @@
-"""Brings up (or finds) the two services xidflow needs: a Kafka cluster and a Kubernetes API server.
+"""Brings up (or finds) the two services xidflow needs: a Kafka cluster and a Kubernetes cluster.
 
 With ``loki=True`` also a Grafana Loki (``LOKI_URL`` from the environment, else the local build of
 :mod:`pipeline.localinfra.loki`), the log store the Konduktor path and ``xidflow loki-tail`` read.
@@ -6,7 +6,8 @@ With ``loki=True`` also a Grafana Loki (``LOKI_URL`` from the environment, else 
 Source order, decided per service:
 1. endpoints given in the environment (``KAFKA_BOOTSTRAP_SERVERS``, ``KUBECONFIG``);
 2. testcontainers (Kafka, K3s) when a Docker engine answers;
-3. local builds (Kafka jars from Maven Central, kube-apiserver + etcd built with Go).
+3. local builds (Kafka jars from Maven Central; etcd, kube-apiserver, kube-controller-manager,
+   kube-scheduler and KWOK built with Go: :mod:`pipeline.localinfra.controlplane`).
 
 State (pids, ports, container ids) is kept in ``<state_dir>/state.json`` so that ``local down``
 in another process stops exactly what ``local up`` started.
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pipeline.localinfra import procs
-from pipeline.localinfra.controlplane import DRA_FLAGS, ControlPlane
+from pipeline.localinfra.controlplane import DRA_FLAGS, NODE_LEASE_S, NODE_MONITOR_GRACE_S, ControlPlane
 from pipeline.localinfra.install import Log, cache_root
 from pipeline.localinfra.kafka import KafkaCluster
 from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer
@@ -113,9 +114,14 @@ class LocalInfra:
 
     # -- lifecycle -------------------------------------------------------------------------
     def up(
-        self, kafka_brokers: int = 1, detach: bool = True, kafka_security: str = "plaintext", loki: bool = False
+        self, kafka_brokers: int = 1, detach: bool = True, kafka_security: str = "plaintext", loki: bool = False,
+        node_monitor_grace_s: int = NODE_MONITOR_GRACE_S, node_lease_s: int = NODE_LEASE_S,
     ) -> Endpoints:
-        """Start what is not already given; ``detach`` keeps containers alive after this process."""
+        """Start what is not already given; ``detach`` keeps containers alive after this process.
+
+        ``node_monitor_grace_s`` / ``node_lease_s``: the local control plane's node lifecycle grace and
+        KWOK's node Lease duration (a cluster's defaults; the test session asks for shorter ones).
+        """
         if self.endpoints and self.is_running() and (not loki or self.endpoints.loki_url):
             self.log("local infrastructure already running")
             return self.endpoints
@@ -142,11 +148,13 @@ class LocalInfra:
             elif docker:
                 kubeconfig, kube_source = self._k3s_container(detach), "testcontainers (K3s, Docker)"
             else:
-                self.control_plane = ControlPlane(Path(self.state_dir) / "controlplane", log=self.log)
+                self.control_plane = ControlPlane(Path(self.state_dir) / "controlplane", log=self.log,
+                                                  node_monitor_grace_s=node_monitor_grace_s, node_lease_s=node_lease_s)
                 self.save()
                 self.control_plane.start()
                 kubeconfig = str(self.control_plane.kubeconfig)
-                kube_source = "local build (kube-apiserver + etcd)"
+                kube_source = ("local build (etcd, kube-apiserver, kube-controller-manager, kube-scheduler, "
+                               "KWOK nodes)")
             self.log(f"Kubernetes API: {kube_source}, kubeconfig {kubeconfig}")
             loki_url, loki_org_id = self._loki() if loki else (None, None)
         except BaseException:

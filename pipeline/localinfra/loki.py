@@ -13,7 +13,6 @@ restart of the same root, so a test can stop and start it mid-stream.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -63,10 +62,7 @@ def ensure_loki(log: Log = print) -> Path:
     if loki_installed():
         return binary
     go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time: a second caller (another test session, `local up`) waits for the first.
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cache.one_builder(target):
         if loki_installed():
             return binary
         return _build(go, version, binary, log)

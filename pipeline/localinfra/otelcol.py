@@ -24,7 +24,6 @@ builder with its module step and writes the new ``go.mod``/``go.sum`` beside the
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 import shutil
@@ -43,6 +42,7 @@ from pipeline.localinfra.install import (
     cache_root,
     go_build,
     go_build_meter,
+    go_env,
     run_logged,
     user_binary,
 )
@@ -122,19 +122,10 @@ def ensure_otelcol(log: Log = print) -> Path:
     check_pins()
     go = _need("go", "install Go >= 1.25 (https://go.dev/dl or your distribution)")
     target = binary.parent
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # One build at a time: a second caller (another test session, `local install`) waits for the first.
-    with open(target.parent / f".{target.name}.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
+    with cache.one_builder(target):
         if otelcol_installed():
             return binary
         return _build(go, _builder_version_from_manifest(), binary, log)
-
-
-def _go_env() -> dict[str, str]:
-    flags = os.environ.get("GOFLAGS", "")
-    flags = " ".join(f for f in flags.split() if not f.startswith("-mod="))
-    return dict(os.environ, CGO_ENABLED="0", GOFLAGS=f"{flags} -mod=readonly".strip())
 
 
 def _generate(go: str, version: str, dist: Path, log: Log, *, get_modules: bool) -> None:
@@ -162,7 +153,7 @@ def _build(go: str, version: str, binary: Path, log: Log) -> Path:
         with cache.publishing(target, version, binary.name) as staging:
             go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / "otelcol"), "."], dist,
                      f"building the OpenTelemetry Collector {version} with Go (minutes on a cold cache)", log,
-                     _go_env(), cached_in=target)
+                     go_env(), cached_in=target)
         log(f"OpenTelemetry Collector {version} installed in {target}")
         return binary
     finally:

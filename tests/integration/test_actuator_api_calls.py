@@ -1,7 +1,13 @@
-"""How many kube-apiserver calls quarantining one node costs, counted on the real API server.
+"""How many kube-apiserver calls quarantining one node costs, counted on the session's control plane.
 
 The count, not a time: a regression that adds a read or a second ledger write to the hot path fails
 here, whatever the machine's speed.
+
+Three calls per node, plus what a cluster adds: the node lifecycle controller answers xidflow's cordon
+by tainting the node ``node.kubernetes.io/unschedulable`` (TaintNodesByCondition), usually between
+xidflow's node patch and its status patch. That status patch is conditional (it carries the ledger),
+so it is refused (409), and the node is read and the patch sent again: at most one read and one status
+patch more per node, and only where the controller's taint came in between.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, node_events
 from pipeline.kafka.admin import ensure_topics
 from pipeline.runtime.settings import KafkaSettings, TopicNames
+from tests.integration.workloads import cordon_answered
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -77,6 +84,15 @@ def node_calls(counts: collections.Counter[str]) -> dict[str, int]:
     return {k: counts[k] for k in NODE_CALLS if counts[k]}
 
 
+def quarantine_calls(nodes: int, retried: int) -> dict[str, int]:
+    """Quarantining ``nodes`` nodes: cordon + taint + flow record in one patch, the Event, the condition + done
+    marks in one status patch; for each of ``retried`` of them the status patch refused because the node
+    lifecycle controller's taint came in between, the read and the status patch again."""
+    calls = {"patch_node": nodes, "create_namespaced_event": nodes, "patch_node_status": nodes + retried,
+             "read_node": retried}
+    return {k: v for k, v in calls.items() if v}
+
+
 async def test_quarantining_a_node_costs_three_calls(world: dict[str, Any]) -> None:
     """Cordon + taint + flow record in one patch, the Event, the condition + done marks in one status patch."""
     act: Actuator = world["act"]
@@ -85,10 +101,12 @@ async def test_quarantining_a_node_costs_three_calls(world: dict[str, Any]) -> N
     counts = count_calls(act.engine.kube)
     await act.engine.handle(make_incident(second, "inc-count"))
     print("calls for one quarantined node:", dict(counts))
+    await cordon_answered(world["kube"], second)  # the other writer of a cordoned node has written
     node = await world["kube"].get_node(second)
     assert node["spec"]["unschedulable"] is True
     assert any(t["key"] == "nvidia.com/gpu-fault" for t in node["spec"].get("taints") or [])
-    assert node_calls(counts) == {"patch_node": 1, "create_namespaced_event": 1, "patch_node_status": 1}
+    retried = counts["read_node"]
+    assert retried <= 1 and node_calls(counts) == quarantine_calls(1, retried), dict(counts)
     # The breaker's admission (no reserved block by default): one conditional write from the ConfigMap as
     # its last write left it, no read.
     assert counts["replace_namespaced_config_map"] == 1 and counts["read_namespaced_config_map"] == 0
@@ -115,4 +133,8 @@ async def test_a_burst_costs_three_calls_per_node(world: dict[str, Any]) -> None
     counts = count_calls(act.engine.kube)
     await asyncio.gather(*(act.engine.handle(make_incident(n, f"inc-{n}")) for n in burst))
     n = len(burst)
-    assert node_calls(counts) == {"patch_node": n, "create_namespaced_event": n, "patch_node_status": n}
+    retried = counts["read_node"]
+    print(f"calls for {n} quarantined nodes: {dict(counts)} ({retried} status patches retried)")
+    assert retried <= n and node_calls(counts) == quarantine_calls(n, retried), dict(counts)
+    for node in burst:
+        await cordon_answered(world["kube"], node)

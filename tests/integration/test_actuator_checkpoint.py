@@ -1,5 +1,7 @@
-"""Checkpoint-aware drain (``checkpointGrace``) on a real kube-apiserver, with the job played by a real
-process (tests/integration/checkpoint_job.py, built on the shipped example deploy/examples/checkpoint_on_drain.py).
+"""Checkpoint-aware drain (``checkpointGrace``) on the session's control plane: the training pods are a
+StatefulSet's (placed by the scheduler, run by KWOK), and the job's side of each pod, which KWOK does not run, is
+a real process (tests/integration/checkpoint_job.py, built on the shipped example
+deploy/examples/checkpoint_on_drain.py).
 
 Three cases: the job answers in time (evicted right after its answer, long before the grace), the job
 never answers (evicted at the grace), and the ``xidflow actuator`` replica waiting is SIGKILLed: the
@@ -30,7 +32,6 @@ from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import make_incident, publish, wait_until
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import Action, Outcome
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import (
     LEASE_SECONDS,
@@ -39,6 +40,7 @@ from tests.integration.test_actuator_failover import (
     wait_finished,
     write_policy,
 )
+from tests.integration.workloads import deployment, ensure_ns, pods_on, statefulset
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -103,10 +105,11 @@ def jobs(*started: Job) -> Iterator[tuple[Job, ...]]:
             job.stop()
 
 
-async def gpu_pods(env: Env, node: str, names: list[str]) -> str:
+async def gpu_pods(env: Env, node: str, name: str, replicas: int) -> str:
+    """A StatefulSet ``name`` of one-GPU pods (``<name>-0`` ...) on the node; its namespace."""
     ns = env.unique("train")
     await ensure_ns(env.kube, ns)
-    await make_pods(env.kube, ns, node, names, {"app": "train"}, gpus=1)
+    await statefulset(env.kube, ns, name, node, replicas, {"app": "train"}, gpus=1)
     return ns
 
 
@@ -139,9 +142,9 @@ async def test_a_job_that_answers_is_evicted_after_its_answer_well_before_the_gr
     env: Env, kubeconfig: str, tmp_path: Path
 ) -> None:
     (node,) = await env.make_nodes(1)
-    ns = await gpu_pods(env, node, ["trainer-0", "trainer-1"])
+    ns = await gpu_pods(env, node, "trainer", 2)
     # A pod without a GPU is drained as usual and never asked.
-    await make_pods(env.kube, ns, node, ["web"], {"app": "web"})
+    (web,) = await deployment(env.kube, ns, "web", node, 1, {"app": "web"})
     grace = 60.0
     act = await env.actuator(
         load_yaml_text(
@@ -168,7 +171,7 @@ async def test_a_job_that_answers_is_evicted_after_its_answer_well_before_the_gr
     details = record.details["checkpoint"]
     assert details["result"] == "answered", details
     assert sorted(details["answered"]) == [f"{ns}/trainer-0", f"{ns}/trainer-1"]
-    assert sorted(record.details["evicted"]) == [f"{ns}/trainer-0", f"{ns}/trainer-1", f"{ns}/web"]
+    assert sorted(record.details["evicted"]) == sorted([f"{ns}/trainer-0", f"{ns}/trainer-1", f"{ns}/{web}"])
     # Evicted after the last answer, long before the deadline.
     assert answered <= ended and ended - started < grace / 2
     events = await checkpoint_events(env, ns)
@@ -183,7 +186,7 @@ async def test_a_job_that_answers_is_evicted_after_its_answer_well_before_the_gr
 
 async def test_a_job_that_never_answers_is_evicted_at_the_grace(env: Env, kubeconfig: str, tmp_path: Path) -> None:
     (node,) = await env.make_nodes(1)
-    ns = await gpu_pods(env, node, ["silent-0"])
+    ns = await gpu_pods(env, node, "silent", 1)
     grace = 5.0
     act = await env.actuator(
         load_yaml_text(
@@ -216,7 +219,7 @@ async def test_a_replica_killed_mid_wait_is_replaced_by_one_that_keeps_the_deadl
     env: Env, kubeconfig: str, tmp_path: Path
 ) -> None:
     (node,) = await env.make_nodes(1)
-    ns = await gpu_pods(env, node, ["long-0"])
+    ns = await gpu_pods(env, node, "long", 1)
     grace = 24.0
     policy = write_policy(
         tmp_path / "p.yaml",
@@ -276,7 +279,7 @@ async def test_a_replica_killed_mid_wait_is_replaced_by_one_that_keeps_the_deadl
 
 async def test_a_lost_gpu_under_a_rule_with_grace_is_drained_at_once_with_the_reason(env: Env) -> None:
     (node,) = await env.make_nodes(1)
-    ns = await gpu_pods(env, node, ["trainer-0"])
+    ns = await gpu_pods(env, node, "trainer", 1)
     # A rule without codes may carry the option (its faults are judged per incident): Xid 79 arrives.
     act = await env.actuator(
         load_yaml_text(

@@ -1,5 +1,7 @@
 """Drain (PDB honoured, DaemonSet/mirror/excluded pods left alone, force only when allowed),
-reboot hooks with bootID completion, GPU reset Job, warm standby, attempt cap - real kube-apiserver."""
+reboot hooks with bootID completion, GPU reset Job, warm standby, attempt cap - on the session's control plane:
+the pods are Deployments' and DaemonSets' (placed by the scheduler, run by KWOK), the PDB's status is the
+disruption controller's, the hook Jobs are run by the Job controller."""
 
 from __future__ import annotations
 
@@ -11,9 +13,19 @@ import pytest
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.actuator.policy import load_yaml_text
-from pipeline.actuator.testing import make_incident, set_node_ready, wait_until
+from pipeline.actuator.testing import make_incident, reboot, wait_until
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
+from tests.integration.workloads import (
+    UNSCHEDULABLE_TOLERATION,
+    daemonset,
+    deployment,
+    ensure_ns,
+    mirror_pod,
+    pdb,
+    pods_on,
+    wait_job,
+)
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -27,55 +39,6 @@ def policy(actions: str, code: int = 79) -> Any:
     )
 
 
-async def make_pods(
-    kube: Kube, namespace: str, node: str, names: list[str], labels: dict[str, str], gpus: int = 0, **meta: Any
-) -> None:
-    """Pods bound to the node, Running and Ready (set through the status subresource: no kubelet here).
-
-    ``gpus``: each pod's ``nvidia.com/gpu`` limit (a pod using a GPU is one a GPU fault affects).
-    """
-    container: dict[str, Any] = {"name": "c", "image": "busybox"}
-    if gpus:
-        container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
-    for name in names:
-        body = {
-            "apiVersion": "v1",
-            "kind": "Pod",
-            "metadata": {"name": name, "namespace": namespace, "labels": labels, **meta},
-            "spec": {
-                "nodeName": node,
-                "terminationGracePeriodSeconds": 30,
-                "containers": [container],
-            },
-        }
-        await kube._call(kube.core.create_namespaced_pod, namespace, body)
-        status = {
-            "status": {
-                "phase": "Running",
-                "conditions": [{"type": "Ready", "status": "True"}, {"type": "PodScheduled", "status": "True"}],
-                "containerStatuses": [
-                    {
-                        "name": "c",
-                        "ready": True,
-                        "restartCount": 0,
-                        "image": "busybox",
-                        "imageID": "",
-                        "state": {"running": {}},
-                    }
-                ],
-            }
-        }
-        await kube._call(kube.core.patch_namespaced_pod_status, name, namespace, status)
-
-
-async def ensure_ns(kube: Kube, name: str) -> None:
-    await kube._call(kube.core.create_namespace, {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-
-
-async def pods_on(kube: Kube, node: str) -> list[str]:
-    return sorted(p["metadata"]["name"] for p in await kube.list_pods_on_node(node))
-
-
 async def test_drain_evicts_and_leaves_daemonset_mirror_and_excluded_pods(env: Env) -> None:
     (name,) = await env.make_nodes(1)
     work, system = env.unique("work"), env.unique("sys")
@@ -83,26 +46,26 @@ async def test_drain_evicts_and_leaves_daemonset_mirror_and_excluded_pods(env: E
         await ensure_ns(env.kube, ns)
     env_ns = [work, system]
     try:
-        await make_pods(env.kube, work, name, ["a", "b"], {"app": "x"})
-        ds_owner = [{"apiVersion": "apps/v1", "kind": "DaemonSet", "name": "ds", "uid": "u1", "controller": True}]
-        await make_pods(env.kube, work, name, ["ds-pod"], {"app": "ds"}, ownerReferences=ds_owner)
-        await make_pods(
-            env.kube, work, name, ["mirror"], {"app": "m"}, annotations={"kubernetes.io/config.mirror": "x"}
-        )
-        await make_pods(env.kube, system, name, ["sys"], {"app": "s"})
+        evictable = await deployment(env.kube, work, "x", name, 2, {"app": "x"})
+        ds_pod = await daemonset(env.kube, work, "ds", name, {"app": "ds"})
+        mirror = await mirror_pod(env.kube, work, "mirror", name, {"app": "m"})
+        sys_pods = await deployment(env.kube, system, "s", name, 1, {"app": "s"})
         act = await env.actuator(
             policy(
                 f"[{{name: cordon}}, {{name: drain, gracePeriodCap: 0, timeout: 20, excludedNamespaces: [{system}]}}]"
             )
         )
         await act.engine.handle(make_incident(name, "inc-drain"))
-        assert await pods_on(env.kube, name) == ["ds-pod", "mirror", "sys"]
-        audit = outcomes(await env.audit(), name)
-        assert ("drain", "applied") in audit
-        # a redelivery starts no second eviction wave
-        await make_pods(env.kube, work, name, ["late"], {"app": "x"})
+        assert await pods_on(env.kube, name) == sorted([ds_pod, mirror, *sys_pods])
+        drain = [r for r in await env.audit() if r.node == name and r.action == "drain"]
+        assert drain[-1].outcome == Outcome.APPLIED
+        assert sorted(drain[-1].details["evicted"]) == [f"{work}/{p}" for p in evictable]
+        # a redelivery starts no second eviction wave: a pod placed on the cordoned node since (it tolerates
+        # the cordon) stays
+        late = await deployment(env.kube, work, "late", name, 1, {"app": "late"},
+                                tolerations=[UNSCHEDULABLE_TOLERATION])
         await act.engine.handle(make_incident(name, "inc-drain"))
-        assert "late" in await pods_on(env.kube, name)
+        assert set(late) <= set(await pods_on(env.kube, name))
     finally:
         for ns in env_ns:
             await env.kube._call(env.kube.core.delete_namespace, ns)
@@ -113,33 +76,16 @@ async def test_pdb_blocked_drain_backs_off_and_fails_then_force_when_allowed(env
     ns = env.unique("pdb")
     await ensure_ns(env.kube, ns)
     try:
-        await make_pods(env.kube, ns, name, ["p1", "p2"], {"app": "guarded"})
-        from kubernetes import client
-
-        policy_api = client.PolicyV1Api(env.kube.api_client)
-        pdb = {
-            "apiVersion": "policy/v1",
-            "kind": "PodDisruptionBudget",
-            "metadata": {"name": "guard", "namespace": ns},
-            "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "guarded"}}},
-        }
-        created = await env.kube._call(policy_api.create_namespaced_pod_disruption_budget, ns, pdb)
-        # There is no disruption controller here: write the status it would compute for two healthy
-        # pods and minAvailable 1. The API server's eviction handler then allows exactly one eviction.
-        status = {
-            "status": {
-                "observedGeneration": created["metadata"]["generation"],
-                "currentHealthy": 2,
-                "desiredHealthy": 1,
-                "expectedPods": 2,
-                "disruptionsAllowed": 1,
-            }
-        }
-        await env.kube._call(policy_api.patch_namespaced_pod_disruption_budget_status, "guard", ns, status)
+        await deployment(env.kube, ns, "guarded", name, 2, {"app": "guarded"})
+        # The disruption controller's status for two healthy pods and minAvailable 1: one disruption allowed.
+        status = await pdb(env.kube, ns, "guard", {"app": "guarded"}, min_available=1)
+        assert status["disruptionsAllowed"] == 1
         act = await env.actuator(policy("[{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 2}]"))
         await act.engine.handle(make_incident(name, "inc-pdb"))
         left = await pods_on(env.kube, name)
-        assert len(left) == 1  # one eviction allowed, the other refused with 429 until the timeout
+        # one eviction allowed, the other refused with 429 until the timeout: the replacement of the evicted
+        # pod cannot run on the cordoned node, so the budget stays spent
+        assert len(left) == 1
         drain = [r for r in await env.audit() if r.node == name and r.action == "drain"]
         assert drain[-1].outcome == Outcome.FAILED and "timed out" in drain[-1].reason
         assert drain[-1].details["blocked"] == [f"{ns}/{left[0]}"]
@@ -159,10 +105,9 @@ async def test_pdb_blocked_drain_backs_off_and_fails_then_force_when_allowed(env
 
 
 async def reboot_node_later(kube: Kube, node: str, delay: float, new_boot: str) -> None:
+    """The machine reboots after ``delay``: its node comes back with ``new_boot`` (see machines.reboot)."""
     await asyncio.sleep(delay)
-    await set_node_ready(kube, node, new_boot, ready=False)
-    await asyncio.sleep(0.3)
-    await set_node_ready(kube, node, new_boot, ready=True)
+    await reboot(kube, node, new_boot)
 
 
 async def test_reboot_by_annotation_waits_for_new_boot_id_then_uncordons(env: Env) -> None:
@@ -202,6 +147,9 @@ async def test_reboot_job_hook_and_timeout_without_new_boot(env: Env) -> None:
     pod_spec = job["spec"]["template"]["spec"]
     assert pod_spec["nodeName"] == name and pod_spec["containers"][0]["securityContext"]["privileged"] is True
     assert (await env.node(name))["spec"]["unschedulable"] is True  # failed reboot leaves it quarantined
+    # The Job controller ran its pod on the node and KWOK completed it; the machine did not reboot, so no new
+    # bootID came: the reboot failed although its Job succeeded.
+    assert (await wait_job(env.kube, env.namespace, reboot.details["job"], "Complete"))["status"]["succeeded"] == 1
 
 
 async def test_gpu_reset_job_hook(env: Env) -> None:
@@ -211,7 +159,7 @@ async def test_gpu_reset_job_hook(env: Env) -> None:
     await act.engine.handle(make_incident(name, "inc-reset", code=48))
     reset = [r for r in await env.audit() if r.node == name and r.action == "resetGpu"]
     assert [r.outcome for r in reset] == [Outcome.APPLIED, Outcome.ALREADY_APPLIED]
-    job = await env.kube.get_job(env.namespace, reset[0].details["job"])
+    job = await wait_job(env.kube, env.namespace, reset[0].details["job"], "Complete")  # the Job controller's word
     env_vars = job["spec"]["template"]["spec"]["containers"][0]["env"]
     assert {"name": "XIDFLOW_GPU_PCI", "value": "0000:4e:00.0"} in env_vars
 
@@ -308,7 +256,7 @@ async def test_two_replicas_start_one_drain_and_one_reboot_request(env: Env) -> 
     ns = env.unique("work")
     await ensure_ns(env.kube, ns)
     try:
-        await make_pods(env.kube, ns, name, ["a", "b", "c"], {"app": "x"})
+        names = await deployment(env.kube, ns, "x", name, 3, {"app": "x"})
         rule = "[{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 10}, {name: reboot, hook: job, timeout: 1}]"
         one = await env.actuator(policy(rule), worker="replica-a")
         two = await env.actuator(policy(rule), worker="replica-b")
@@ -316,7 +264,7 @@ async def test_two_replicas_start_one_drain_and_one_reboot_request(env: Env) -> 
         await asyncio.gather(one.engine.handle(incident), two.engine.handle(incident))
         audit = [r for r in await env.audit() if r.node == name]
         drains = [r for r in audit if r.action == "drain" and r.outcome == Outcome.APPLIED]
-        assert len(drains) == 1 and sorted(drains[0].details["evicted"]) == [f"{ns}/a", f"{ns}/b", f"{ns}/c"]
+        assert len(drains) == 1 and sorted(drains[0].details["evicted"]) == [f"{ns}/{p}" for p in names]
         jobs = await env.kube._call(
             env.kube.batch.list_namespaced_job, env.namespace, label_selector="xidflow.dev/flow=inc-2long"
         )

@@ -22,6 +22,7 @@ from pipeline.actuator.testing import (
 )
 from pipeline.runtime.settings import KafkaSettings, TopicNames
 from schemas.records import Action, NodeRecovered, Outcome
+from tests.integration.workloads import cordon_answered
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -42,9 +43,10 @@ class Env:
         self.actuators: list[Actuator] = []
 
     async def make_nodes(self, count: int, extra_labels: dict[str, str] | None = None) -> list[str]:
+        """KWOK nodes of 8-GPU machines, Ready and schedulable when this returns."""
         names = [self.unique("gpu") for _ in range(count)]
         self.nodes += names
-        await create_nodes(self.kube, names, {**self.fleet_label, **(extra_labels or {})})
+        await create_nodes(self.kube, names, {**self.fleet_label, **(extra_labels or {})}, gpu=True)
         return names
 
     def settings(self, **overrides: Any) -> ActuatorSettings:
@@ -121,6 +123,7 @@ async def test_redelivered_incident_is_already_applied_with_no_second_event(env:
     act = await env.actuator()
     incident = make_incident(name, "inc-r")
     await act.engine.handle(incident)
+    await cordon_answered(env.kube, name)  # the lifecycle controller's taint: the node's other writer
     rv = (await env.node(name))["metadata"]["resourceVersion"]
     await act.engine.handle(incident)
     await act.engine.handle(incident)

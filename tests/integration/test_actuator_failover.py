@@ -21,21 +21,22 @@ import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
-from kubernetes import client
+import yaml
 
 from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
-from pipeline.actuator.testing import make_incident, node_events, publish, set_node_ready, wait_until
+from pipeline.actuator.effects import DEFAULT_RESET_JOB
+from pipeline.actuator.testing import make_incident, node_events, publish, reboot, wait_until
 from pipeline.kafka.admin import ensure_topics
+from pipeline.localinfra.kwok import POD_COMPLETE_LABEL
 from schemas.records import Outcome
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
+from tests.integration.workloads import deployment, ensure_ns, pdb, pods_on, set_pdb_min_available
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -188,36 +189,24 @@ async def assert_nothing_doubled(env: Env, node: str) -> None:
     assert len(taints) == 1
 
 
-async def set_pdb(env: Env, ns: str, allowed: int, generation: int) -> None:
-    policy_api = client.PolicyV1Api(env.kube.api_client)
-    status = {
-        "status": {
-            "observedGeneration": generation,
-            "currentHealthy": 3,
-            "desiredHealthy": 3 - allowed,
-            "expectedPods": 3,
-            "disruptionsAllowed": allowed,
-        }
-    }
-    await env.kube._call(policy_api.patch_namespaced_pod_disruption_budget_status, "guard", ns, status)
+GUARDED = 3
 
 
-async def guarded_pods(env: Env, node: str) -> tuple[str, int]:
-    """Three pods behind a PDB that allows no disruption yet (no disruption controller here: we write it)."""
+async def set_pdb(env: Env, ns: str, allowed: int) -> None:
+    """The budget's owner lets ``allowed`` of the guarded pods go; the disruption controller says so."""
+    status = await set_pdb_min_available(env.kube, ns, "guard", GUARDED - allowed)
+    assert status["disruptionsAllowed"] == allowed, status
+
+
+async def guarded_pods(env: Env, node: str) -> tuple[str, list[str]]:
+    """A Deployment's three pods on the node behind a PDB that allows no disruption yet (minAvailable 3, as the
+    disruption controller computes it); the namespace and the pods' names."""
     ns = env.unique("work")
     await ensure_ns(env.kube, ns)
-    await make_pods(env.kube, ns, node, ["p1", "p2", "p3"], {"app": "guarded"})
-    policy_api = client.PolicyV1Api(env.kube.api_client)
-    pdb = {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": {"name": "guard", "namespace": ns},
-        "spec": {"minAvailable": 3, "selector": {"matchLabels": {"app": "guarded"}}},
-    }
-    created = await env.kube._call(policy_api.create_namespaced_pod_disruption_budget, ns, pdb)
-    generation = created["metadata"]["generation"]
-    await set_pdb(env, ns, 0, generation)
-    return ns, generation
+    names = await deployment(env.kube, ns, "guarded", node, GUARDED, {"app": "guarded"})
+    status = await pdb(env.kube, ns, "guard", {"app": "guarded"}, min_available=GUARDED)
+    assert status["disruptionsAllowed"] == 0, status
+    return ns, names
 
 
 @pytest.mark.parametrize("run", range(int(os.environ.get("XIDFLOW_FAILOVER_RUNS", "1"))))
@@ -225,7 +214,7 @@ async def test_survivor_finishes_a_drain_whose_replica_was_killed(
     env: Env, kubeconfig: str, tmp_path: Path, run: int
 ) -> None:
     (node,) = await env.make_nodes(1)
-    ns, generation = await guarded_pods(env, node)
+    ns, names = await guarded_pods(env, node)
     policy = write_policy(tmp_path / "p.yaml", "[{name: quarantine}, {name: drain, gracePeriodCap: 0, timeout: 600}]")
     reps = Replicas(env, kubeconfig, policy)
     try:
@@ -236,14 +225,14 @@ async def test_survivor_finishes_a_drain_whose_replica_was_killed(
         slots = await read_json_configmap(env.kube, env.namespace, "xidflow-drains")
         assert (slots.get("slots") or {}).get(node, {}).get("by") == dead
         await wait_resumed(env, reps, node, "inc-kill-drain", "drain", survivor, killed)
-        await set_pdb(env, ns, 3, generation)  # the budget allows the evictions now
+        await set_pdb(env, ns, GUARDED)  # the budget allows the evictions now
         entry = await wait_finished(env, reps, node, "inc-kill-drain")
         assert entry["status"] == "done" and entry["log"]["drain"]["by"] == survivor
         assert await pods_on(env.kube, node) == []
         await assert_nothing_doubled(env, node)
         assert (await env.node(node))["spec"]["unschedulable"] is True
         drains = await applied(env, node, "drain")
-        assert len(drains) == 1 and sorted(drains[0].details["evicted"]) == [f"{ns}/p1", f"{ns}/p2", f"{ns}/p3"]
+        assert len(drains) == 1 and sorted(drains[0].details["evicted"]) == [f"{ns}/{p}" for p in names]
         assert drains[0].details["retaken_from"] == dead and drains[0].worker_id == survivor
         slots = await read_json_configmap(env.kube, env.namespace, "xidflow-drains")
         assert node not in (slots.get("slots") or {})
@@ -262,7 +251,7 @@ async def test_survivor_finishes_a_reboot_whose_replica_was_killed(env: Env, kub
         await publish(env.bootstrap, env.topics.name("incidents"), [make_incident(node, "inc-kill-reboot")])
         dead, survivor, killed = await kill_the_holder(env, reps, node, "inc-kill-reboot", "reboot")
         await wait_resumed(env, reps, node, "inc-kill-reboot", "reboot", survivor, killed)
-        await set_node_ready(env.kube, node, "boot-2")  # the node comes back with a new bootID
+        await reboot(env.kube, node, "boot-2")  # the machine comes back with a new bootID
         entry = await wait_finished(env, reps, node, "inc-kill-reboot")
         assert entry["status"] == "done" and entry["log"]["reboot"]["by"] == survivor
         assert entry["boot_id_before"] == "boot-1"
@@ -277,20 +266,21 @@ async def test_survivor_finishes_a_reboot_whose_replica_was_killed(env: Env, kub
         reps.stop()
 
 
-async def complete_job(env: Env, name: str) -> None:
-    now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    status = {
-        "status": {
-            "startTime": now,
-            "completionTime": now,
-            "succeeded": 1,
-            "conditions": [
-                {"type": "SuccessCriteriaMet", "status": "True", "lastTransitionTime": now},
-                {"type": "Complete", "status": "True", "lastTransitionTime": now},
-            ],
-        }
-    }
-    await env.kube._call(env.kube.batch.patch_namespaced_job_status, name, env.namespace, status)
+def held_reset_template(path: Path) -> Path:
+    """The default GPU-reset Job whose pod KWOK keeps running (the reset takes as long as the test says)."""
+    job = yaml.safe_load(DEFAULT_RESET_JOB)
+    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {})[POD_COMPLETE_LABEL] = "false"
+    path.write_text(yaml.safe_dump(job))
+    return path
+
+
+async def finish_job_pod(env: Env, job: str) -> None:
+    """The reset finishes: the Job's pod is let go, KWOK completes it and the Job controller marks the Job
+    Complete."""
+    page = await env.kube._call(env.kube.core.list_namespaced_pod, env.namespace, label_selector=f"job-name={job}")
+    (pod,) = page["items"]
+    await env.kube._call(env.kube.core.patch_namespaced_pod, pod["metadata"]["name"], env.namespace,
+                         {"metadata": {"labels": {POD_COMPLETE_LABEL: None}}})
 
 
 async def test_survivor_finishes_a_gpu_reset_whose_replica_was_killed(
@@ -298,7 +288,8 @@ async def test_survivor_finishes_a_gpu_reset_whose_replica_was_killed(
 ) -> None:
     (node,) = await env.make_nodes(1)
     policy = write_policy(tmp_path / "p.yaml", "[{name: quarantine}, {name: resetGpu, timeout: 600}]")
-    reps = Replicas(env, kubeconfig, policy)
+    held = held_reset_template(tmp_path / "reset-job.yaml")
+    reps = Replicas(env, kubeconfig, policy, {"XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE": str(held)})
     try:
         for worker in ("rep-a", "rep-b"):
             reps.start(worker, tmp_path)
@@ -309,7 +300,7 @@ async def test_survivor_finishes_a_gpu_reset_whose_replica_was_killed(
             env.kube.batch.list_namespaced_job, env.namespace, label_selector="xidflow.dev/flow=inc-kill-reset"
         )
         assert len(jobs["items"]) == 1  # the survivor found the Job, made no second one
-        await complete_job(env, jobs["items"][0]["metadata"]["name"])
+        await finish_job_pod(env, jobs["items"][0]["metadata"]["name"])
         entry = await wait_finished(env, reps, node, "inc-kill-reset")
         assert entry["status"] == "done" and entry["log"]["resetGpu"]["by"] == survivor
         await assert_nothing_doubled(env, node)
@@ -321,7 +312,7 @@ async def test_manual_uncordon_during_a_drain_stops_it_and_frees_the_slot(
     env: Env, kubeconfig: str, tmp_path: Path
 ) -> None:
     (node,) = await env.make_nodes(1)
-    ns, generation = await guarded_pods(env, node)
+    ns, _names = await guarded_pods(env, node)
     policy = write_policy(
         tmp_path / "p.yaml", "[{name: cordon}, {name: drain, gracePeriodCap: 0, timeout: 600}, {name: reboot}]"
     )
@@ -341,9 +332,9 @@ async def test_manual_uncordon_during_a_drain_stops_it_and_frees_the_slot(
         assert not entry.get("claims") and "reboot" not in entry.get("done", {})
         slots = await read_json_configmap(env.kube, env.namespace, "xidflow-drains")
         assert node not in (slots.get("slots") or {})
-        await set_pdb(env, ns, 3, generation)
+        await set_pdb(env, ns, GUARDED)
         await asyncio.sleep(1)
-        assert len(await pods_on(env.kube, node)) == 3  # no eviction after the person took over
+        assert len(await pods_on(env.kube, node)) == GUARDED  # no eviction after the person took over
         assert not (await env.node(node))["spec"].get("unschedulable")
     finally:
         reps.stop()

@@ -16,7 +16,7 @@ from pipeline.actuator.testing import make_incident, node_events
 from pipeline.runtime.settings import KafkaSettings
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
-from tests.integration.test_notify_workload import GPU, make_pod, owner
+from tests.integration.workloads import job_body, wait_running
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -108,10 +108,10 @@ async def test_actuator_works_with_shipped_rbac_and_nothing_more(env: Env, kubec
         await act.start(consume=False)  # namespace check, CRD detection and policy listing as the SA
         env.actuators.append(act)
         # A GPU pod of a Job: notifyWorkload reads the Job and writes the pod's Event and condition as the SA.
-        job = {"apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": "train"}, "spec": {"template": {
-            "spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}}}}
-        job = await env.kube._call(env.kube.batch.create_namespaced_job, env.namespace, job)
-        await make_pod(env.kube, env.namespace, name, "train-0", [owner(job)], GPU)
+        # Its pod is the Job controller's, placed on the node by the scheduler, kept running by KWOK.
+        await env.kube.create_job(env.namespace, job_body(env.namespace, "train", name, {"job": "train"},
+                                                          complete=False, gpus=1))
+        await wait_running(env.kube, env.namespace, {"job": "train"}, 1, name)
         await act.engine.handle(make_incident(name, "inc-rbac"))
         node = await env.node(name)
         assert node["spec"]["unschedulable"] is True

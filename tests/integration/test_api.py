@@ -31,6 +31,7 @@ from pipeline.actuator.api import (
 )
 from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.kube import Kube
+from pipeline.actuator.machines import node_object
 from pipeline.actuator.requests import RescueActionRequest
 from pipeline.runtime.settings import TopicNames
 
@@ -58,12 +59,12 @@ class Cluster:
     namespaces: list[str] = field(default_factory=list)
 
     def node(self, name: str, labels: dict[str, str] | None = None, gpus: int = 0) -> str:
-        core = k8s_client.CoreV1Api(self.api)
-        core.create_node(k8s_client.V1Node(metadata=k8s_client.V1ObjectMeta(name=name, labels=labels or {})))
-        self.nodes.append(name)
+        """A KWOK node; ``gpus``: the ``nvidia.com/gpu`` capacity the machine's device plugin reports, no labels."""
+        body = node_object(name, labels or {})
         if gpus:
-            # No kubelet here: report capacity through the status subresource, as a device plugin would.
-            core.patch_node_status(name, {"status": {"capacity": {"nvidia.com/gpu": str(gpus)}}})
+            body["status"]["capacity"] = body["status"]["allocatable"] = {"nvidia.com/gpu": str(gpus)}
+        k8s_client.CoreV1Api(self.api).create_node(body)
+        self.nodes.append(name)
         return name
 
     def namespace(self, name: str) -> str:

@@ -30,14 +30,14 @@ import orjson
 import pytest
 
 from pipeline.actuator.app import actuator_topics
-from pipeline.actuator.testing import node_events, wait_until
+from pipeline.actuator.testing import node_events, object_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import LogRecord, Outcome, Source
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+from tests.integration.workloads import ensure_ns, pods_on, trainers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -116,7 +116,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
     nodes = await env.make_nodes(len(SHAPES) * NODES_PER_SHAPE)
     shape_of = dict(zip(nodes, [s for s in SHAPES for _ in range(NODES_PER_SHAPE)], strict=True))
     for node in nodes:
-        await make_pods(env.kube, work, node, [f"{node}-{p}" for p in PODS], {"app": "train"}, gpus=4)
+        assert await trainers(env.kube, work, node, len(PODS), gpus=4) == [f"{node}-{p}" for p in PODS]
     actions = "[{name: quarantine}, {name: drain, gracePeriodCap: 0, timeout: 600}]"
     policy = write_policy(tmp_path / "policy.yaml", actions)
     reps = Replicas(env, kubeconfig, policy)
@@ -216,9 +216,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
             if any(count > 1 for count in evicted.values()):
                 problems.append(f"{label}: evicted twice {evicted}")
             for pod in (f"{node}-{p}" for p in PODS):
-                page = await env.kube._call(env.kube.core.list_namespaced_event, work,
-                                            field_selector=f"involvedObject.name={pod}")
-                reasons = [e["reason"] for e in page.get("items") or []]
+                reasons = [e["reason"] for e in await object_events(env.kube, work, pod)]
                 if reasons.count("GPUFault") != 1:
                     problems.append(f"{label}: pod {pod} Events {reasons}")
         assert not problems, "\n".join(problems)

@@ -27,6 +27,8 @@ import orjson
 import pytest
 import yaml
 
+from pipeline.actuator.kube import Kube
+from pipeline.actuator.machines import create_nodes
 from pipeline.ingest.parsing.pod import match_pod_signal
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
@@ -34,6 +36,7 @@ from pipeline.localinfra.fluentbit_run import FluentBit, Render, load_shipped
 from pipeline.localinfra.helm import helm_template
 from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import Pipeline
+from tests.integration.workloads import ensure_ns, statefulset
 from tests.unit.test_deploy_fluentbit import NOISE
 
 pytestmark = pytest.mark.integration
@@ -91,9 +94,8 @@ def kube_access(k8s: Any, kubeconfig: str, tmp_path_factory: pytest.TempPathFact
     core, rbac = client.CoreV1Api(k8s), client.RbacAuthorizationV1Api(k8s)
     tag = uuid.uuid4().hex[:6]
     namespace, node, release = f"fb-pods-{tag}", f"gpu-fb-{tag}", f"fb{tag}"
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=namespace)))
-    # A GPU node as KWOK makes one: a Node object, no kubelet; pods are bound to it by spec.nodeName.
-    core.create_node(client.V1Node(metadata=client.V1ObjectMeta(name=node, labels={"nvidia.com/gpu.present": "true"})))
+    # A KWOK node; the pods are StatefulSets' (trainer-0, trainer-1, corpus-0), placed there by the scheduler.
+    pods = asyncio.run(_kwok_node_with_pods(kubeconfig, namespace, node))
     docs = chart_fluent_bit_rbac(release, namespace)
     made_cluster: list[tuple[Callable[..., Any], str]] = []
     try:
@@ -115,13 +117,6 @@ def kube_access(k8s: Any, kubeconfig: str, tmp_path_factory: pytest.TempPathFact
         token_file = secrets_dir / "token"
         token_file.write_text(token)
         kcfg = yaml.safe_load(Path(kubeconfig).read_text())["clusters"][0]["cluster"]
-        pods: dict[str, str] = {}
-        for pod in ("trainer-0", "trainer-1", "corpus-0"):
-            made = core.create_namespaced_pod(namespace, client.V1Pod(
-                metadata=client.V1ObjectMeta(name=pod, labels={"app": "train"}),
-                spec=client.V1PodSpec(node_name=node, containers=[client.V1Container(name="main", image="busybox")]),
-            ))
-            pods[pod] = made.metadata.uid
         _wait_rbac(k8s, token, namespace)
         yield KubeAccess(namespace, node, {"kube_url": kcfg["server"], "kube_ca_file": kcfg["certificate-authority"],
                                            "kube_token_file": str(token_file)}, pods)
@@ -130,6 +125,21 @@ def kube_access(k8s: Any, kubeconfig: str, tmp_path_factory: pytest.TempPathFact
             delete(name)
         core.delete_namespace(namespace)
         core.delete_node(node)
+
+
+async def _kwok_node_with_pods(kubeconfig: str, namespace: str, node: str) -> dict[str, str]:
+    """The namespace, a KWOK GPU node and the StatefulSets' running pods on it: {pod name: uid}."""
+    kube = Kube.from_config(kubeconfig, 4)
+    try:
+        await ensure_ns(kube, namespace)
+        await create_nodes(kube, [node], {}, gpu=True)
+        names = [*await statefulset(kube, namespace, "trainer", node, 2, {"app": "train", "set": "trainer"},
+                                    container_name="main"),
+                 *await statefulset(kube, namespace, "corpus", node, 1, {"app": "train", "set": "corpus"},
+                                    container_name="main")]
+        return {name: (await kube.get_pod(namespace, name))["metadata"]["uid"] for name in names}
+    finally:
+        await kube.aclose()
 
 
 def _wait_rbac(k8s: Any, token: str, namespace: str) -> None:

@@ -1,8 +1,11 @@
-"""Smoke tests proving both services are real: Kafka (aiokafka, Faust) and kube-apiserver (+RBAC)."""
+"""Smoke tests proving both services are real: Kafka (aiokafka, Faust) and the Kubernetes control plane (+RBAC).
+
+What each component of the control plane does is proven in test_control_plane.py."""
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import subprocess
 import sys
@@ -15,6 +18,10 @@ from aiokafka import AIOKafkaConsumer, AIOKafkaProducer
 from aiokafka.admin import AIOKafkaAdminClient, NewTopic
 from kubernetes import client
 from kubernetes.client.rest import ApiException
+
+from pipeline.actuator.kube import Kube, TooManyRequests
+from pipeline.actuator.machines import create_nodes, delete_nodes, node_object, node_usable
+from tests.integration.workloads import deployment, ensure_ns, pdb
 
 pytestmark = pytest.mark.integration
 
@@ -124,16 +131,20 @@ async def test_faust_app_processes_records(kafka_bootstrap: str, unique, tmp_pat
     assert seen == [b"XID", b"SXID", b"NVLINK"], f"Faust worker output:\n{out[-3000:]}"
 
 
-def _node(name: str) -> client.V1Node:
-    return client.V1Node(
-        metadata=client.V1ObjectMeta(name=name, labels={"nvidia.com/gpu.present": "true", "xidflow.dev/test": "smoke"})
-    )
+def _node(core: client.CoreV1Api, name: str) -> None:
+    """Register a node as KWOK's and wait until it is usable (KWOK made it Ready, the node lifecycle controller
+    lifted the not-ready taint every new node gets)."""
+    core.create_node(node_object(name, {"nvidia.com/gpu.present": "true", "xidflow.dev/test": "smoke"}))
+    deadline = time.monotonic() + 60
+    while not node_usable(core.api_client.sanitize_for_serialization(core.read_node(name))):
+        assert time.monotonic() < deadline, f"node {name} not Ready and untainted within 60s"
+        time.sleep(0.2)
 
 
 def test_nodes_taints_conditions_events(k8s: client.ApiClient, unique) -> None:
     core = client.CoreV1Api(k8s)
     name = unique("node")
-    core.create_node(_node(name))
+    _node(core, name)
     try:
         assert name in {n.metadata.name for n in core.list_node(label_selector="xidflow.dev/test=smoke").items}
         core.patch_node(
@@ -165,7 +176,9 @@ def test_nodes_taints_conditions_events(k8s: client.ApiClient, unique) -> None:
         )
         node = core.read_node(name)
         assert node.spec.unschedulable is True
-        assert [t.key for t in node.spec.taints] == ["xidflow.dev/gpu-fault"]
+        # Ours, and the node lifecycle controller's answer to the cordon (node.kubernetes.io/unschedulable).
+        assert [t.key for t in node.spec.taints if not t.key.startswith("node.kubernetes.io/")] == [
+            "xidflow.dev/gpu-fault"]
         assert {c.type: c.status for c in node.status.conditions}["GpuXid"] == "True"
         event = core.create_namespaced_event(
             "default",
@@ -186,63 +199,23 @@ def test_nodes_taints_conditions_events(k8s: client.ApiClient, unique) -> None:
         core.delete_node(name)
 
 
-def test_eviction_refused_by_pdb(k8s: client.ApiClient, unique) -> None:
-    core, policy = client.CoreV1Api(k8s), client.PolicyV1Api(k8s)
-    ns, node, pod = unique("ns"), unique("node"), unique("pod")
-    core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=ns)))
-    core.create_node(_node(node))
+async def test_eviction_refused_by_pdb(kubeconfig: str, unique) -> None:
+    """A Deployment's one pod behind minAvailable 1: the disruption controller allows no disruption, and the API
+    server's eviction handler refuses with 429."""
+    kube = Kube.from_config(kubeconfig, 4)
+    ns, node = unique("ns"), unique("node")
+    await ensure_ns(kube, ns)
+    await create_nodes(kube, [node], {"xidflow.dev/test": "smoke"})
     try:
-        core.create_namespaced_pod(
-            ns,
-            client.V1Pod(
-                metadata=client.V1ObjectMeta(name=pod, labels={"app": "train"}),
-                spec=client.V1PodSpec(node_name=node, containers=[client.V1Container(name="c", image="busybox")]),
-            ),
-        )
-        # No kubelet here: report the pod Running and Ready ourselves so the PDB counts it healthy.
-        now = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
-        core.patch_namespaced_pod_status(
-            pod,
-            ns,
-            {
-                "status": {
-                    "phase": "Running",
-                    "conditions": [{"type": "Ready", "status": "True", "lastTransitionTime": now}],
-                }
-            },
-        )
-        policy.create_namespaced_pod_disruption_budget(
-            ns,
-            client.V1PodDisruptionBudget(
-                metadata=client.V1ObjectMeta(name="train"),
-                spec=client.V1PodDisruptionBudgetSpec(
-                    min_available=1, selector=client.V1LabelSelector(match_labels={"app": "train"})
-                ),
-            ),
-        )
-        # There is no disruption controller here; write the status it would compute (0 allowed).
-        pdb = policy.read_namespaced_pod_disruption_budget("train", ns)
-        policy.patch_namespaced_pod_disruption_budget_status(
-            "train",
-            ns,
-            {
-                "status": {
-                    "observedGeneration": pdb.metadata.generation,
-                    "disruptionsAllowed": 0,
-                    "currentHealthy": 1,
-                    "desiredHealthy": 1,
-                    "expectedPods": 1,
-                }
-            },
-        )
-        with pytest.raises(ApiException) as refused:
-            core.create_namespaced_pod_eviction(
-                pod, ns, client.V1Eviction(metadata=client.V1ObjectMeta(name=pod, namespace=ns))
-            )
-        assert refused.value.status == 429, refused.value.body
+        (pod,) = await deployment(kube, ns, "train", node, 1, {"app": "train"})
+        status = await pdb(kube, ns, "train", {"app": "train"}, min_available=1)
+        assert (status["disruptionsAllowed"], status["currentHealthy"], status["expectedPods"]) == (0, 1, 1)
+        with pytest.raises(TooManyRequests):
+            await kube.evict_pod(ns, pod, None)
     finally:
-        core.delete_namespace(ns)
-        core.delete_node(node)
+        await kube._call(kube.core.delete_namespace, ns)
+        await delete_nodes(kube, [node])
+        kube.close()
 
 
 def test_rbac_narrow_service_account_cannot_delete_nodes(k8s: client.ApiClient, unique, kubeconfig: str) -> None:
@@ -263,7 +236,7 @@ def test_rbac_narrow_service_account_cannot_delete_nodes(k8s: client.ApiClient, 
             subjects=[client.RbacV1Subject(kind="ServiceAccount", name=sa, namespace=ns)],
         )
     )
-    core.create_node(_node(node))
+    core.create_node(node_object(node, {"xidflow.dev/test": "smoke"}))
     try:
         token = core.create_namespaced_service_account_token(
             sa,
@@ -313,8 +286,15 @@ def test_local_cli_up_env_status_down(tmp_path: Path) -> None:
     assert up.returncode == 0, up.stderr
     exports = dict(line.removeprefix("export ").split("=", 1) for line in run("env").stdout.splitlines())
     assert set(exports) == {"KAFKA_BOOTSTRAP_SERVERS", "KUBECONFIG"}
+    plane = json.loads((tmp_path / "state" / "state.json").read_text())["control_plane"]
     try:
-        assert run("status").returncode == 0
+        status = run("status")
+        assert status.returncode == 0, status.stdout + status.stderr
+        for component in ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok"):
+            assert component in status.stdout, status.stdout
+        again = run("up")  # a second `up` finds it all running and changes nothing
+        assert again.returncode == 0 and "already running" in again.stderr, again.stderr
+        assert json.loads((tmp_path / "state" / "state.json").read_text())["control_plane"] == plane
         check = subprocess.run(
             [
                 sys.executable,
@@ -348,9 +328,12 @@ def test_local_cli_up_env_status_down(tmp_path: Path) -> None:
     ports = [int(exports["KAFKA_BOOTSTRAP_SERVERS"].rsplit(":", 1)[1])]
     kubeconfig = Path(exports["KUBECONFIG"]).read_text()
     ports.append(int(kubeconfig.split("server: https://127.0.0.1:", 1)[1].split()[0]))
-    from pipeline.localinfra.procs import port_open
+    ports += [v for k, v in plane.items() if k.endswith("_port")]
+    from pipeline.localinfra.procs import alive, port_open
 
     assert not any(port_open(p) for p in ports), "something is still listening after `local down`"
+    pids = [v for k, v in plane.items() if k.endswith("_pid")]
+    assert len(pids) == 5 and not any(alive(pid, str(tmp_path)) for pid in pids), "a process outlived `local down`"
     assert run("status").returncode == 1
 
 

@@ -124,12 +124,13 @@ async def test_an_eviction_whose_flow_was_cancelled_while_it_waited_for_its_thre
     from kubernetes import client
 
     from pipeline.actuator.kube import LazyApi
-    from tests.integration.test_actuator_drain_reboot import make_pods
+    from tests.integration.workloads import statefulset
 
     node, namespace = unique("gpu"), unique("ns")
     await create_nodes(kube, [node], {"xidflow.test/http": "1"})
     await kube._call(kube.core.create_namespace, {"metadata": {"name": namespace}})
-    await make_pods(kube, namespace, node, ["p"], {"app": "train"})
+    (pod,) = await statefulset(kube, namespace, "p", node, 1, {"app": "train"})
+    uid = (await kube.get_pod(namespace, pod))["metadata"]["uid"]
 
     def slow_build() -> Any:
         time.sleep(1.0)  # the generated module's import on a busy machine
@@ -138,15 +139,16 @@ async def test_an_eviction_whose_flow_was_cancelled_while_it_waited_for_its_thre
     evicting = Kube.from_config(kubeconfig, 4)
     try:
         evicting.__dict__["core"] = LazyApi(slow_build)
-        task = asyncio.ensure_future(evicting.evict_pod(namespace, "p", 0))
+        task = asyncio.ensure_future(evicting.evict_pod(namespace, pod, 0))
         await asyncio.sleep(0.3)
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await task
         await asyncio.sleep(2.0)  # the build is over: an eviction still on its way would have landed
         pods = await kube.list_pods_on_node(node)
-        assert [p["metadata"]["name"] for p in pods] == ["p"]
+        assert [p["metadata"]["name"] for p in pods] == [pod]
         assert not pods[0]["metadata"].get("deletionTimestamp"), "evicted after the caller gave up"
+        assert pods[0]["metadata"]["uid"] == uid  # the same pod, not the StatefulSet's replacement of an evicted one
     finally:
         await evicting.aclose()
         await delete_nodes(kube, [node])
@@ -174,8 +176,10 @@ async def test_an_idle_kube_keeps_a_connection_per_call_slot_so_a_burst_opens_no
     # A burst after a quiet spell opened a new TLS connection per call slot, while the taints waited for
     # the API server's CPU: the slots' connections are opened before, and kept.
     node = unique("warm")
+    registering = Kube.from_config(kubeconfig, 4)  # its calls open connections of its own, not the tested one's
+    await create_nodes(registering, [node], {"xidflow.test/http": "1"})
+    await registering.aclose()
     kube = Kube.from_config(kubeconfig, 4)
-    await create_nodes(kube, [node], {"xidflow.test/http": "1"})
     before = own_connections(kube)
     warm = asyncio.create_task(kube.keep_warm(3600))
     try:

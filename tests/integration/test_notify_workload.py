@@ -1,10 +1,15 @@
-"""notifyWorkload on the real kube-apiserver: pods bound to a fake node (no kubelet: they never run),
-owned by Deployment/ReplicaSet, Job/JobSet and a custom kind; DRA claims and slices as a driver would
-publish them; the example Job with a podFailurePolicy on the GPU-fault condition.
+"""notifyWorkload on the session's control plane: pods placed on a KWOK node by the scheduler, owned by a
+Deployment (through its ReplicaSet), a Job owned by a JobSet, and a PyTorchJob; DRA claims allocated by the
+scheduler from a ResourceSlice published as the NVIDIA DRA driver publishes it; the example Job with a
+podFailurePolicy on the GPU-fault condition.
 
-What these tests cannot prove: that a Job controller ignores the failure of a pod carrying the
-condition (there is no controller-manager here); they prove the API server accepts the condition on
-the pod and the policy on the Job, and that the condition is written where the policy looks."""
+JobSet and PyTorchJob are kinds this API server does not serve (their operators are not installed): the
+objects they would create (a Job, a pod) are created here with their owner reference, as those operators
+do, and the garbage collector leaves them alone (it cannot resolve the owner's kind).
+
+Left for a test with a Job that fails: that the Job controller ignores the failure of a pod carrying the
+condition. These prove the API server accepts the condition on the pod and the policy on the Job, and that
+the condition is written where the policy looks."""
 
 from __future__ import annotations
 
@@ -17,13 +22,15 @@ import yaml
 from kubernetes import client
 
 from pipeline.actuator.dra import PCI_ATTRIBUTE
-from pipeline.actuator.kube import Invalid, Kube
+from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
+from pipeline.actuator.machines import hostname
 from pipeline.actuator.ownership import LEDGER_ANNOTATION
-from pipeline.actuator.testing import make_incident
+from pipeline.actuator.testing import make_incident, object_events
 from pipeline.actuator.workload import EVENT_REASON, GPU_FAULT_CONDITION
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome, RemediationRecord
 from tests.integration.test_actuator_effects import Env
+from tests.integration.workloads import HOSTNAME, deployment, job_body, wait_running
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
 
@@ -42,11 +49,6 @@ async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str
     await world.close()
 
 
-def owner(obj: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": obj["apiVersion"], "kind": obj["kind"], "name": obj["metadata"]["name"],
-            "uid": obj["metadata"]["uid"], "controller": True}
-
-
 def foreign(api: str, kind: str, name: str) -> dict[str, Any]:
     """An owner of a kind this API server does not know (a CRD's object): named, never read."""
     return {"apiVersion": api, "kind": kind, "name": name, "uid": f"00000000-0000-0000-0000-{name[:12]:0>12}",
@@ -59,20 +61,23 @@ async def create(kube: Kube, group: str, version: str, namespace: str, plural: s
 
 async def make_pod(kube: Kube, ns: str, node: str, name: str, owners: list[dict[str, Any]],
                    resources: dict[str, Any] | None = None, claims: list[str] = ()) -> None:
-    spec: dict[str, Any] = {"nodeName": node, "restartPolicy": "Never",
+    """A pod created directly (by a person, or an operator of a kind with ``owners``), placed on ``node`` by the
+    scheduler (its node selector) and run by KWOK; returns once it runs."""
+    spec: dict[str, Any] = {"nodeSelector": {HOSTNAME: hostname(node)}, "restartPolicy": "Never",
                             "containers": [{"name": "c", "image": "busybox", "resources": resources or {}}]}
     if claims:
         spec["resourceClaims"] = [{"name": f"gpu{i}", "resourceClaimName": c} for i, c in enumerate(claims)]
         spec["containers"][0]["resources"] = {"claims": [{"name": f"gpu{i}"} for i in range(len(claims))]}
-    body = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns, "ownerReferences": owners},
-            "spec": spec}
+    labels = {"xidflow.test/pod": name}
+    body = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": name, "namespace": ns, "labels": labels, "ownerReferences": owners}, "spec": spec}
     await kube._call(kube.core.create_namespaced_pod, ns, body)
-    await kube.patch_pod_status(ns, name, {"status": {"phase": "Running"}})
+    await wait_running(kube, ns, labels, 1, node)
 
 
 async def pod_events(kube: Kube, ns: str, pod: str) -> list[dict[str, Any]]:
-    page = await kube._call(kube.core.list_namespaced_event, ns, field_selector=f"involvedObject.name={pod}")
-    return page.get("items") or []
+    """xidflow's Events about the pod (the scheduler writes its own: ``Scheduled``)."""
+    return await object_events(kube, ns, pod)
 
 
 async def gpu_condition(kube: Kube, ns: str, pod: str) -> dict[str, Any] | None:
@@ -87,24 +92,11 @@ def workload_records(records: list[RemediationRecord], node: str) -> list[Remedi
 async def test_quarantine_names_pods_and_owners_and_tells_each_gpu_pod_once(env: Env) -> None:
     (node,) = await env.make_nodes(1)
     ns, kube = env.namespace, env.kube
-    deploy = await create(kube, "apps", "v1", ns, "deployments", {
-        "apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "web"},
-        "spec": {"selector": {"matchLabels": {"app": "web"}},
-                 "template": {"metadata": {"labels": {"app": "web"}},
-                              "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}})
-    rs = await create(kube, "apps", "v1", ns, "replicasets", {
-        "apiVersion": "apps/v1", "kind": "ReplicaSet",
-        "metadata": {"name": "web-5d8f", "ownerReferences": [owner(deploy)]},
-        "spec": {"selector": {"matchLabels": {"app": "web"}},
-                 "template": {"metadata": {"labels": {"app": "web"}},
-                              "spec": {"containers": [{"name": "c", "image": "busybox"}]}}}})
-    job = await create(kube, "batch", "v1", ns, "jobs", {
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": "train-worker-0",
-                     "ownerReferences": [foreign("jobset.x-k8s.io/v1alpha2", "JobSet", "train")]},
-        "spec": {"template": {"spec": {"restartPolicy": "Never", "containers": [{"name": "c", "image": "busybox"}]}}}})
-    await make_pod(kube, ns, node, "web-5d8f-abcde", [owner(rs)], GPU)
-    await make_pod(kube, ns, node, "train-worker-0-xyz", [owner(job)], GPU)
+    (web,) = await deployment(kube, ns, "web", node, 1, {"app": "web"}, gpus=1)
+    train = job_body(ns, "train-worker-0", node, {"job": "train-worker-0"}, complete=False, gpus=1)
+    train["metadata"]["ownerReferences"] = [foreign("jobset.x-k8s.io/v1alpha2", "JobSet", "train")]
+    await kube.create_job(ns, train)
+    (worker,) = await wait_running(kube, ns, {"job": "train-worker-0"}, 1, node)
     await make_pod(kube, ns, node, "ptj-master-0", [foreign("kubeflow.org/v1", "PyTorchJob", "ptj")], GPU)
     await make_pod(kube, ns, node, "cpu-sidecar", [])  # uses no GPU: listed, not told
 
@@ -120,12 +112,12 @@ async def test_quarantine_names_pods_and_owners_and_tells_each_gpu_pod_once(env:
     found = {p.name: ((p.owner.kind, p.owner.name) if p.owner else None, p.on_faulty_gpu, p.affected)
              for p in work.pods}
     assert found == {
-        "web-5d8f-abcde": (("Deployment", "web"), None, True),
-        "train-worker-0-xyz": (("JobSet", "train"), None, True),
+        web: (("Deployment", "web"), None, True),
+        worker: (("JobSet", "train"), None, True),
         "ptj-master-0": (("PyTorchJob", "ptj"), None, True),
         "cpu-sidecar": (None, None, False),
     }
-    for pod in ("web-5d8f-abcde", "train-worker-0-xyz", "ptj-master-0"):
+    for pod in (web, worker, "ptj-master-0"):
         [event] = await pod_events(kube, ns, pod)
         assert event["type"] == "Warning" and event["reason"] == EVENT_REASON
         assert event["involvedObject"]["kind"] == "Pod" and "xid 79" in event["message"]
@@ -141,12 +133,22 @@ async def test_quarantine_names_pods_and_owners_and_tells_each_gpu_pod_once(env:
     await kube.patch_node(node, {"metadata": {"annotations": {LEDGER_ANNOTATION: None}}})
     rv = (await kube.get_pod(ns, "ptj-master-0"))["metadata"]["resourceVersion"]
     await act.engine.handle(incident)
-    for pod in ("web-5d8f-abcde", "train-worker-0-xyz", "ptj-master-0"):
+    for pod in (web, worker, "ptj-master-0"):
         assert len(await pod_events(kube, ns, pod)) == 1
     assert (await kube.get_pod(ns, "ptj-master-0"))["metadata"]["resourceVersion"] == rv
     again = workload_records(await env.audit(), node)
     assert [r.outcome for r in again] == [Outcome.APPLIED, Outcome.ALREADY_APPLIED, Outcome.ALREADY_APPLIED]
     assert all(r.workload is not None and r.workload.affected == 3 for r in again)
+
+
+async def device_class(kube: Kube) -> None:
+    """The DeviceClass the NVIDIA DRA driver installs for its GPUs (shared by the session: created once)."""
+    body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": DRIVER},
+            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]}}
+    try:
+        await kube._call(kube.custom.create_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses", body)
+    except AlreadyExists:
+        pass
 
 
 async def dra_served(kube: Kube) -> bool:
@@ -161,6 +163,7 @@ async def test_with_dra_only_the_pod_holding_the_faulty_gpu_is_told(env: Env) ->
     assert await dra_served(kube), "the local kube-apiserver does not serve resource.k8s.io/v1"
     (node,) = await env.make_nodes(1)
     pool = env.unique("pool")
+    await device_class(kube)
     slice_body = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-gpus"},
         "spec": {"driver": DRIVER, "nodeName": node, "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
@@ -169,16 +172,20 @@ async def test_with_dra_only_the_pod_holding_the_faulty_gpu_is_told(env: Env) ->
     }
     await kube._call(kube.custom.create_cluster_custom_object, "resource.k8s.io", "v1", "resourceslices", slice_body)
     try:
-        for claim, device in (("claim-bad", "gpu-0"), ("claim-good", "gpu-1")):
+        domain, attribute = PCI_ATTRIBUTE.split("/")
+        for claim, pci in (("claim-bad", "0000:4e:00.0"), ("claim-good", "0000:4f:00.0")):
+            # The user asks for a GPU at that PCI address; the scheduler allocates it when it places the pod.
+            cel = f'device.attributes["{domain}"].{attribute} == "{pci}"'
             await create(kube, "resource.k8s.io", "v1", ns, "resourceclaims", {
                 "apiVersion": "resource.k8s.io/v1", "kind": "ResourceClaim", "metadata": {"name": claim},
-                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {"deviceClassName": "gpu.nvidia.com"}}]}}})
-            status = {"status": {"allocation": {"devices": {"results": [
-                {"request": "gpu", "driver": DRIVER, "pool": pool, "device": device}]}}}}
-            await kube._call(kube.custom.patch_namespaced_custom_object_status, "resource.k8s.io", "v1", ns,
-                             "resourceclaims", claim, status, _content_type="application/merge-patch+json")
+                "spec": {"devices": {"requests": [{"name": "gpu", "exactly": {
+                    "deviceClassName": DRIVER, "selectors": [{"cel": {"expression": cel}}]}}]}}})
         await make_pod(kube, ns, node, "on-bad", [], claims=["claim-bad"])
         await make_pod(kube, ns, node, "on-good", [], claims=["claim-good"])
+        for claim, device in (("claim-bad", "gpu-0"), ("claim-good", "gpu-1")):
+            allocated = await kube.get_namespaced_object("resource.k8s.io", "v1", ns, "resourceclaims", claim)
+            results = allocated["status"]["allocation"]["devices"]["results"]
+            assert [(r["driver"], r["pool"], r["device"]) for r in results] == [(DRIVER, pool, device)]
 
         act = await env.actuator()
         await act.engine.handle(make_incident(node, "inc-dra"))  # Xid 79 on PCI 0000:4e:00.0
@@ -199,7 +206,10 @@ async def test_with_dra_only_the_pod_holding_the_faulty_gpu_is_told(env: Env) ->
 
 async def test_the_example_job_and_its_pod_failure_policy_are_accepted(env: Env) -> None:
     kube, ns = env.kube, env.namespace
+    node = (await env.make_nodes(1))[0]
     job = yaml.safe_load(EXAMPLE_JOB.read_text())
+    # Its 8-GPU pod runs on this test's node (KWOK completes it), not on another test's.
+    job["spec"]["template"]["spec"]["nodeSelector"] = {HOSTNAME: hostname(node)}
     created = await kube._call(kube.batch.create_namespaced_job, ns, job)
     rules = created["spec"]["podFailurePolicy"]["rules"]
     assert rules[0]["action"] == "Ignore"
@@ -211,7 +221,6 @@ async def test_the_example_job_and_its_pod_failure_policy_are_accepted(env: Env)
     with pytest.raises(Invalid, match="onPodConditions"):
         await kube._call(kube.batch.create_namespaced_job, ns, bad)
     # ... and the same type is accepted as a pod condition through pods/status.
-    node = (await env.make_nodes(1))[0]
     await make_pod(kube, ns, node, "p", [])
     cond = {"type": GPU_FAULT_CONDITION, "status": "True", "reason": "Xid48", "message": "m"}
     await kube.patch_pod_status(ns, "p", {"status": {"conditions": [cond]}})

@@ -33,10 +33,10 @@ from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra import procs
 from pipeline.runtime import startmarks
 from pipeline.runtime.settings import TopicNames
-from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import write_policy
 from tests.integration.test_pipeline import PARTITIONS, WORKER_ENV
+from tests.integration.workloads import ensure_ns
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -36,10 +36,10 @@ from pipeline.actuator.sharedparts import AUDIT_ACTION, CONDITION_TYPE, REASON, 
 from pipeline.actuator.testing import node_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas
 from tests.integration.test_pipeline import PARTITIONS, REPO, Pipeline, Worker, wait_ready
+from tests.integration.workloads import ensure_ns, pods_on, trainers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -68,7 +68,7 @@ spec:
 
 def pod_line(node: str, line: str, at: float) -> bytes:
     return orjson.dumps({"log": line, "time": at, "kubernetes": {
-        "host": node, "pod_name": f"{node}-trainer", "namespace_name": "ml", "container_name": "main"}})
+        "host": node, "pod_name": f"{node}-trainer-0", "namespace_name": "ml", "container_name": "main"}})
 
 
 async def read_topic(bootstrap: str, topic: str) -> list[dict]:
@@ -115,7 +115,7 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
     leaf8 = await env.make_nodes(2, {SWITCH: "leaf-8"})
     own_fault, late_fault = leaf7[4], leaf8[0]
     for node in leaf7 + leaf8:
-        await make_pods(env.kube, work, node, [f"{node}-trainer"], {"app": "train"}, gpus=8)
+        await trainers(env.kube, work, node, 1, gpus=8)
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     # The breaker allows half the fleet: twelve nodes counted would trip it.
@@ -231,7 +231,7 @@ async def test_a_switch_storm_is_one_shared_part_incident_and_the_xid79_node_is_
                 continue
             if obj["spec"].get("unschedulable") or any(t["key"] == TAINT_KEY for t in obj["spec"].get("taints") or []):
                 problems.append(f"{node}: quarantined as a node")
-            if await pods_on(env.kube, node) != [f"{node}-trainer"]:
+            if await pods_on(env.kube, node) != [f"{node}-trainer-0"]:
                 problems.append(f"{node}: pods {await pods_on(env.kube, node)} (drained?)")
             if node == sxid_node:
                 if [i["kind"] for i in incidents[node]] != ["sxid"]:

@@ -41,7 +41,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from kubernetes import client, config
 
 from pipeline.actuator.app import actuator_topics
-from pipeline.actuator.testing import create_nodes, node_events, wait_until
+from pipeline.actuator.testing import create_nodes, node_events, object_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.demo.shipping import FluentBitAccess, NodeShipper
 from pipeline.ingest.probe import read_boot_id
@@ -50,12 +50,12 @@ from pipeline.localinfra.fluentbit_run import Render
 from pipeline.localinfra.loki import DEFAULT_TENANT, LokiServer, push_lines
 from pipeline.localinfra.rsyslog import RsyslogDist
 from schemas.records import HealthCheckResult, Outcome
-from tests.integration.test_actuator_drain_reboot import ensure_ns, make_pods, pods_on
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_fluent_bit_kernel import fluent_bit  # noqa: F401 - the module's fixture
 from tests.integration.test_pipeline import PARTITIONS, REPO, Pipeline, Worker, wait_ready
 from tests.integration.test_rsyslog import Rsyslogd
+from tests.integration.workloads import ensure_ns, pods_on, trainers
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -219,11 +219,12 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
         "cri-benign": (NOTHING, False, False),      # producer, worker dead: raw CRI lines (NCCL, a printed Xid)
     }
     names = {role: f"{role}-{run}" for role in plan}
-    await create_nodes(env.kube, names.values(), env.fleet_label, boot_id=BOOT_ID)
+    await create_nodes(env.kube, names.values(), env.fleet_label, boot_id=BOOT_ID, gpu=True)
     env.nodes += list(names.values())
     for role, (_, with_pods, _) in plan.items():
         if with_pods:
-            await make_pods(env.kube, work, names[role], [f"{names[role]}-{p}" for p in PODS], {"app": "train"}, gpus=4)
+            pods = await trainers(env.kube, work, names[role], len(PODS), gpus=4)
+            assert pods == [f"{names[role]}-{p}" for p in PODS]
     drain = "[{name: quarantine}, {name: drain, gracePeriodCap: 0, timeout: 600}]"
     policy = write_policy(tmp_path / "policy.yaml", drain)
     reps = Replicas(env, kubeconfig, policy, extra={"XIDFLOW_ACTUATOR_RESYNC_SECONDS": "30"})
@@ -398,9 +399,7 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
             reasons = [e["reason"] for e in await node_events(env.kube, node)]
             pod_events: dict[str, list[str]] = {}
             for pod in (f"{node}-{p}" for p in PODS) if with_pods else ():
-                page = await env.kube._call(env.kube.core.list_namespaced_event, work,
-                                            field_selector=f"involvedObject.name={pod}")
-                pod_events[pod] = [e["reason"] for e in page.get("items") or []]
+                pod_events[pod] = [e["reason"] for e in await object_events(env.kube, work, pod)]
             evicted = Counter(p for r in audit if r.node == node and r.action == "drain"
                               and r.outcome == Outcome.APPLIED for p in r.details.get("evicted", []))
             left = await pods_on(env.kube, node)

@@ -27,10 +27,10 @@ from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.procs import free_port
 from pipeline.runtime.supervisor import child_pids
-from tests.integration.test_actuator_drain_reboot import ensure_ns
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import TAINT_KEY, Replicas, write_policy
 from tests.integration.test_pipeline import PARTITIONS, T0, XID, Pipeline, Worker, kmsg, wait_ready
+from tests.integration.workloads import ensure_ns
 from tests.processes import gone
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]

@@ -58,27 +58,39 @@ def test_a_failing_step_stops_the_rest() -> None:
 
 def test_the_install_steps_are_the_real_installers() -> None:
     titles = [s.title for s in install.install_steps()]
-    assert titles[:2] == ["Kafka broker jars (Maven)", "kube-apiserver and etcd (Go build)"]
-    assert install.install_steps()[0].run is install.ensure_kafka
+    assert titles[:3] == ["Kafka broker jars (Maven)", "Kubernetes control plane and etcd (Go build)",
+                          "KWOK, the node and pod simulator (Go build)"]
+    runs = [s.run for s in install.install_steps()[:3]]
+    assert runs == [install.ensure_kafka, install.ensure_controlplane, install.ensure_kwok]
 
 
 def test_local_install_with_a_warm_cache_reports_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # A cache whose Kafka and control-plane entries are complete: those installers return at once (what a
-    # second run does). Only those two steps run here, whatever steps are added later.
+    # A cache whose Kafka, control-plane and KWOK entries are complete: those installers return at once (what a
+    # second run does). Only those three steps run here, whatever steps are added later; a cache entry this
+    # test failed to fake fails it at once instead of building for minutes.
     import pipeline.commands.local as local_command
 
-    monkeypatch.setattr(local_command, "install_steps", lambda: install.install_steps()[:2])
+    def no_build(*args: object, **kwargs: object) -> None:
+        raise AssertionError(f"the fake cache is incomplete: a real build started: {args[:2]}")
+
+    monkeypatch.setattr(install, "run_logged", no_build)
+    monkeypatch.setattr(install, "go_build", no_build)
+    monkeypatch.setenv("XIDFLOW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(local_command, "install_steps", lambda: install.install_steps()[:3])
+    kwok_dir = tmp_path / "kwok" / f"{install.kwok_version()}-{install._digest(install.KWOK_GOMOD, install.KWOK_GOSUM)}"
     for step_dir, parts in (
         (tmp_path / "kafka" / f"{install.kafka_version()}-{install._digest(install.POM)}", ["libs"]),
-        (tmp_path / "controlplane" / f"{install.kubernetes_version()}-{install._digest(install.GOMOD, install.GOSUM)}",
-         ["kube-apiserver", "etcd"]),
+        (install.controlplane_target(),
+         ["kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler"]),
+        (kwok_dir, ["kwok", *(f"module/{d}" for d in install.KWOK_MODULE_DIRS)]),
     ):
-        step_dir.mkdir(parents=True)
         for part in parts:
+            (step_dir / part).parent.mkdir(parents=True, exist_ok=True)
             (step_dir / part).touch()
         (step_dir / ".complete").write_text("x")
     result = CliRunner(env={"XIDFLOW_CACHE_DIR": str(tmp_path)}).invoke(cli, ["local", "install", "--no-loki"])
     assert result.exit_code == 0, result.output
-    assert "step 1/2: Kafka broker jars (Maven) done in" in result.stderr
-    assert "step 2/2: kube-apiserver and etcd (Go build) done in" in result.stderr
+    assert "step 1/3: Kafka broker jars (Maven) done in" in result.stderr
+    assert "step 2/3: Kubernetes control plane and etcd (Go build) done in" in result.stderr
+    assert "step 3/3: KWOK, the node and pod simulator (Go build) done in" in result.stderr
     assert "installed in" in result.stderr

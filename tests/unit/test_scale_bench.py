@@ -42,15 +42,17 @@ def test_cpu_windows_and_usage() -> None:
     assert use.rss_mb == 130.0 and use.hwm_mb == 200.0
 
 
-def test_fleet_nodes_are_registered_as_a_kubelet_would_with_gpus() -> None:
+def test_fleet_nodes_are_registered_as_kwok_nodes_with_gpus() -> None:
     obj = node_object("gpu-1", {"xidflow.bench/burst": "t"}, boot_id="b-7", gpu=True)
     labels = obj["metadata"]["labels"]
     assert labels["nvidia.com/gpu.present"] == "true" and labels["xidflow.bench/burst"] == "t"
+    assert labels["kwok.x-k8s.io/node"] == "fake"  # KWOK is their kubelet: it makes them Ready
     assert obj["status"]["capacity"]["nvidia.com/gpu"] == "8"
     view = NodeView.from_object(obj)
-    assert view.ready and view.boot_id == "b-7"
+    assert not view.ready and view.boot_id == "b-7"
     plain = node_object("n", {"a": "b"})
-    assert plain["metadata"]["labels"] == {"a": "b"} and "capacity" not in plain["status"]
+    assert plain["metadata"]["labels"] == {"kubernetes.io/hostname": "n", "kwok.x-k8s.io/node": "fake", "a": "b"}
+    assert "capacity" not in plain["status"]
 
 
 def test_ratios_compare_each_pair_of_bursts_and_say_how_costs_grow_per_node() -> None:
