@@ -30,6 +30,8 @@ from aiokafka import AIOKafkaProducer
 from pipeline.actuator.fleetmetrics import remediation_action
 from pipeline.actuator.workload import DETAILS_KEY as WORKLOAD_KEY
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.cloudevents import CloudEventsSettings
+from pipeline.kafka.cloudevents import headers as ce_headers
 from pipeline.runtime import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
@@ -97,6 +99,8 @@ class Auditor:
         self.bootstrap_servers = bootstrap_servers
         self.hold = hold
         """Awaited before queued records are sent (``None``: sent at the next loop turn)."""
+        self.ce_source = CloudEventsSettings().source
+        """Prefix of the ``ce_source`` header every record carries (the CloudEvents Kafka binding)."""
         self._producer: AIOKafkaProducer | None = None
         self._queued: list[tuple[RemediationRecord, bool, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -182,7 +186,8 @@ class Auditor:
             try:
                 # pydantic's own JSON writer: the same bytes as ``Record.to_bytes`` for these records, without
                 # the dict of Python objects that ``to_bytes`` builds for orjson first.
-                ack = await producer.send(self.topic, record.model_dump_json().encode(), key=record.node.encode())
+                ack = await producer.send(self.topic, record.model_dump_json().encode(), key=record.node.encode(),
+                                          headers=ce_headers(record, self.ce_source))
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits for this record
                 if not done.done():
                     done.set_exception(exc)
