@@ -41,7 +41,7 @@ from pipeline.runtime import metrics
 
 
 class Breaker:
-    """The circuit breaker on the share of GPU nodes quarantined within a window."""
+    """The circuit breaker on the share (and, with ``max_nodes``, the count) of GPU nodes quarantined in a window."""
 
     def __init__(
         self,
@@ -56,9 +56,12 @@ class Breaker:
         block: int = 0,
         sync_seconds: float = 0.25,
         reservation_ttl: float = 20.0,
+        max_nodes: int = 0,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.fleet_selector, self.max_share, self.window = fleet_selector, max_share, window
+        self.max_nodes = max_nodes
+        """Absolute bound next to the share (``breaker_max_nodes``); 0: none."""
         self.fleet_cache_seconds = fleet_cache_seconds
         self.on_trip = on_trip
         self._fleet: tuple[float, int, frozenset[str]] | None = None
@@ -216,6 +219,7 @@ class Breaker:
                     time.time(),
                     self.reservation_ttl,
                     quarantined,
+                    self.max_nodes,
                 ),
                 seen=self._seen,
             )
@@ -288,6 +292,7 @@ class Breaker:
             "counted": len(admitted.keys() | quarantined),
             "fleet_size": fleet,
             "max_share": self.max_share,
+            "max_nodes": self.max_nodes,
             "window_seconds": self.window,
             "reset_by": state.get("reset_by"),
             "reset_at": state.get("reset_at"),

@@ -15,7 +15,8 @@ Shape::
                              "fin": <epoch> (the flow ended: every step ran, or it stopped),
                              "log": {"<step>": {"by": "<worker>", "at": <epoch>, "outcome": ..., "reason": ...,
                                                 "details": {...}}}}},
-     "attempts": [<epoch>, ...]}
+     "attempts": [<epoch>, ...],
+     "repairs":  {"<fault class>": <repair case, pipeline.actuator.repaircase>}}
 
 A flow with a ``plan`` and no ``fin`` is open: whichever replica owns the node's partition drives it
 to the end from here, without its record (level-triggered). A claim is a lease: its holder renews
@@ -23,6 +24,10 @@ to the end from here, without its record (level-triggered). A claim is a lease: 
 
 ``owned`` is what undo may remove: an effect xidflow found already in place (a human's cordon) is
 never recorded there, so it is never undone.
+
+``repairs`` holds one repair case per fault class (``GpuFellOffBus``, ``GpuEcc``, ...) for rules with a
+``repair`` block: the faults, the repairs tried, the diagnostics run, the hand-off, and where the node is
+in the loop (``pipeline.actuator.repaircase``, documented in docs/repair.md).
 """
 
 from __future__ import annotations
@@ -69,6 +74,7 @@ class Ledger:
     owned: dict[str, list[str]] = field(default_factory=dict)
     flows: dict[str, dict[str, Any]] = field(default_factory=dict)
     attempts: list[float] = field(default_factory=list)
+    repairs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- (de)serialisation -------------------------------------------------------------------
     @classmethod
@@ -85,16 +91,18 @@ class Ledger:
             owned={k: list(v) for k, v in (data.get("owned") or {}).items()},
             flows={k: dict(v) for k, v in (data.get("flows") or {}).items()},
             attempts=[float(t) for t in data.get("attempts") or []],
+            repairs={k: dict(v) for k, v in (data.get("repairs") or {}).items() if isinstance(v, dict)},
         )
 
     def to_annotation(self) -> str:
-        return orjson.dumps(
-            {"v": 1, "owned": self.owned, "flows": self.flows, "attempts": self.attempts},
-            option=orjson.OPT_SORT_KEYS,
-        ).decode()
+        body: dict[str, Any] = {"v": 1, "owned": self.owned, "flows": self.flows, "attempts": self.attempts}
+        if self.repairs:  # absent on nodes without a repair case: the annotation of most nodes is unchanged
+            body["repairs"] = self.repairs
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS).decode()
 
     def copy(self) -> Ledger:
-        return Ledger(copy.deepcopy(self.owned), copy.deepcopy(self.flows), list(self.attempts))
+        return Ledger(copy.deepcopy(self.owned), copy.deepcopy(self.flows), list(self.attempts),
+                      copy.deepcopy(self.repairs))
 
     # -- flows and steps ---------------------------------------------------------------------
     def flow(self, flow_key: str, now: float) -> dict[str, Any]:
@@ -245,6 +253,12 @@ class Ledger:
         for flow_key in owners:
             self.cancel(flow_key, "manual-uncordon", now)
         self.owned.pop(CORDON, None)
+        if self.repairs:  # a person took the node back: the repair cases of those flows are over
+            from pipeline.actuator import repaircase
+
+            for cls, case in self.repairs.items():
+                if set(case.get("flows") or ()) & set(owners):
+                    repaircase.close(self, cls, now, "manual-uncordon: a person took the node back")
         return list(owners)
 
     # -- attempt cap ---------------------------------------------------------------------------

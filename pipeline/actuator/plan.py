@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.actuator import actions
+from pipeline.actuator import actions, repaircase
 from pipeline.actuator.actions import Kind
 from pipeline.actuator.actions.taint_device import EFFECT_PREFIX as DEVICE_RULE_EFFECT_PREFIX
 from pipeline.actuator.nodeview import NodeView
@@ -83,6 +83,17 @@ class Plan:
     """The engine records an attempt on the node when this flow starts."""
     problem: Problem | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    case: repaircase.Decision | None = None
+    """The repair case the incident opens, joins or continues (a rule with the repair loop), recorded with the
+    flow's first write (``join``: by itself, nothing else is written)."""
+    case_policy: dict[str, Any] = field(default_factory=dict)
+    """What a new case keeps of the rule's ``repair`` block (window, maxFailedRepairs, webhookUrl)."""
+    case_again: tuple[dict[str, Any], ...] = ()
+    """The rule's repair steps and diagnose, run again after a failed diagnostics."""
+
+
+# Repair steps (reboot, resetGpu): a retry of a case runs the rule from the first one on.
+REPAIRS = actions.names(repairs=True)
 
 
 def _keyed_steps(specs: list[ActionSpec], settings: ActuatorSettings, problem: Problem | None) -> tuple[Step, ...]:
@@ -145,7 +156,36 @@ def plan_incident(
         # the node's quarantine. Only a new flow: one the node's rule already started goes on.
         return Plan(**base, skip_reason=f"blamed on shared part {part}")
 
+    loop = rule.repair_loop
+    held = repaircase.untouched(ledger)
+    cls = str(problem.condition_type)
+    if held and not _in_case(ledger, incident.incident_id):
+        # Handed off (or being handed off): the external repair system has the node. A fault of the case's
+        # class is recorded in the case (its evidence travels with the next hand-off); nothing starts.
+        join = repaircase.Decision("join", cls, incident.incident_id) if repaircase.case_of(ledger, cls) else None
+        return Plan(**base, skip_reason=f"{held}: xidflow does not touch the node", case=join)
+    decision: repaircase.Decision | None = None
+    if loop is not None and not repaircase.seen(ledger, cls, incident.incident_id, incident.revision):
+        decision = repaircase.decide(ledger, cls, incident.incident_id, now, loop.window, loop.max_failed_repairs)
+        if decision.kind == "join":
+            return Plan(**base, skip_reason=f"{decision.reason} (fault recorded in the case)", case=decision)
     specs = expand_actions(rule, incident)
+    case_fields: dict[str, Any] = {}
+    if loop is not None:
+        first = next((i for i, s in enumerate(specs) if s.name in REPAIRS), None)
+        again = specs[first:] if first is not None else []  # no repair to run again: a failed gate hands off
+        case_fields = {
+            "case": decision,
+            "case_policy": {"window": loop.window, "maxFailedRepairs": loop.max_failed_repairs,
+                            **({"webhookUrl": loop.handoff.webhook_url} if loop.handoff.webhook_url else {})},
+            "case_again": tuple(s.model_dump(mode="json", by_alias=True, exclude_defaults=True) for s in again),
+        }
+    if decision is not None and decision.kind == "escalate":
+        # Repairs did not hold: the node goes out (the rule's quarantine and drain), and to hardware inspection.
+        specs = [s for s in specs if s.name not in ESCALATION_DROPS] + [
+            ActionSpec.model_validate(step) for step in repaircase.INSPECTION_STEPS
+        ]
+        case_fields["details"] = {"escalation": decision.reason}
     escalated = incident.action == Action.CONTACT_SUPPORT and any(s.name in ESCALATION_DROPS for s in specs)
     is_new_flow = incident.incident_id not in ledger.flows
     disruptive = any(s.name in DISRUPTIVE for s in specs)
@@ -154,9 +194,12 @@ def plan_incident(
         and disruptive
         and ledger.attempts_within(settings.attempt_window_seconds, now) >= settings.attempt_cap
     )
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = case_fields.pop("details", {})
     if over_cap or escalated:
         specs = _escalate(specs)
+        if loop is not None and not any(s.name == "hardwareInspection" for s in specs):
+            # A rule with the repair loop hands the node off instead of leaving it to a person unannounced.
+            specs += [ActionSpec.model_validate(step) for step in repaircase.INSPECTION_STEPS]
         escalated = True
         details["escalation"] = (
             f"attempt cap {settings.attempt_cap} per {settings.attempt_window_seconds:g}s reached"
@@ -169,7 +212,12 @@ def plan_incident(
         escalated=escalated,
         new_attempt=is_new_flow and disruptive and not over_cap,
         details=details,
+        **case_fields,
     )
+
+
+def _in_case(ledger: Ledger, flow: str) -> bool:
+    return repaircase.case_of_flow(ledger, flow) is not None
 
 
 def open_part(ledger: Ledger) -> str | None:
@@ -189,6 +237,9 @@ def plan_request(request: RescueActionRequest, node: NodeView, settings: Actuato
     cancelled = node.ledger.cancelled(flow_key)
     if cancelled:
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
+    held = repaircase.untouched(node.ledger)
+    if held and flow_key not in node.ledger.flows:
+        return Plan(**base, skip_reason=f"{held}: xidflow does not touch the node")
     specs = [ActionSpec(name=a.name, waittime=float(a.waittime)) for a in request.actions]
     return Plan(**base, steps=_keyed_steps(specs, settings, None), details={"xid": request.xid})
 

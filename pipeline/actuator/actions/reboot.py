@@ -80,6 +80,8 @@ ACTION = ActionDef(
     disruptive=True,
     requestable=True,
     dropped_on_escalation=True,
+    repairs=True,
+    uses_repair_budget=True,
     claim_values=lambda view: {"boot_id_before": view.boot_id},
     run=run,
 )
