@@ -30,7 +30,9 @@ import yaml
 
 from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
+from pipeline.actuator.diagnostics import DEFAULT_DIAGNOSTICS_JOB
 from pipeline.actuator.effects import DEFAULT_RESET_JOB
+from pipeline.actuator.machines import HELD_POD_LABELS, finish_diagnostics
 from pipeline.actuator.testing import make_incident, node_events, publish, reboot, wait_until
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL
@@ -304,6 +306,42 @@ async def test_survivor_finishes_a_gpu_reset_whose_replica_was_killed(
         entry = await wait_finished(env, reps, node, "inc-kill-reset")
         assert entry["status"] == "done" and entry["log"]["resetGpu"]["by"] == survivor
         await assert_nothing_doubled(env, node)
+    finally:
+        reps.stop()
+
+
+async def test_survivor_finishes_a_diagnostics_gate_whose_replica_was_killed(
+    env: Env, kubeconfig: str, tmp_path: Path
+) -> None:
+    (node,) = await env.make_nodes(1)
+    policy = write_policy(tmp_path / "p.yaml", "[{name: quarantine}, {name: diagnose, timeout: 600}]")
+    job = yaml.safe_load(DEFAULT_DIAGNOSTICS_JOB)
+    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(HELD_POD_LABELS)
+    held = tmp_path / "diagnostics-job.yaml"
+    held.write_text(yaml.safe_dump(job))
+    reps = Replicas(env, kubeconfig, policy, {"XIDFLOW_ACTUATOR_DIAGNOSTICS_JOB_TEMPLATE": str(held)})
+    try:
+        for worker in ("rep-a", "rep-b"):
+            reps.start(worker, tmp_path)
+        await publish(env.bootstrap, env.topics.name("incidents"), [make_incident(node, "inc-kill-diag")])
+        dead, survivor, killed = await kill_the_holder(env, reps, node, "inc-kill-diag", "diagnose")
+        await wait_resumed(env, reps, node, "inc-kill-diag", "diagnose", survivor, killed)
+        jobs = await env.kube._call(
+            env.kube.batch.list_namespaced_job, env.namespace, label_selector="xidflow.dev/flow=inc-kill-diag"
+        )
+        assert len(jobs["items"]) == 1  # the survivor follows the dead replica's Job, makes no second one
+        await finish_diagnostics(env.kube, env.namespace, jobs["items"][0]["metadata"]["name"], passed=True)
+        entry = await wait_finished(env, reps, node, "inc-kill-diag")
+        assert entry["status"] == "done" and entry["log"]["diagnose"]["by"] == survivor
+
+        async def back() -> bool:
+            reps.alive()
+            return not (await env.node(node))["spec"].get("unschedulable")
+
+        await wait_until(back, 60, what="back in service after the gate's pass")
+        case = (await env.ledger(node)).repairs["GpuFellOffBus"]
+        assert case["stage"] == "returned" and [d["verdict"] for d in case["diagnostics"]] == ["pass"]
+        assert len(await node_events(env.kube, node)) == 1
     finally:
         reps.stop()
 
