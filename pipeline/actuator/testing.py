@@ -37,8 +37,9 @@ from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, 
 
 __all__ = [
     "GPU_ALLOCATABLE", "GPU_CAPACITY", "GPU_LABELS", "XID79_LINE", "XIDFLOW_EVENT_SOURCE", "create_nodes",
-    "delete_nodes", "make_incident", "node_events", "node_object", "node_status", "publish", "read_audit", "read_topic",
-    "reboot", "resume_heartbeats", "set_node_ready", "stop_heartbeats", "wait_nodes_usable", "wait_until",
+    "delete_nodes", "make_incident", "node_events", "node_object", "node_status", "object_events", "publish",
+    "read_audit", "read_topic", "reboot", "resume_heartbeats", "set_node_ready", "stop_heartbeats",
+    "wait_nodes_usable", "wait_until",
 ]
 
 
@@ -124,9 +125,15 @@ async def wait_until(
 XIDFLOW_EVENT_SOURCE = "xidflow-actuator"
 
 
-async def node_events(kube: Kube, node: str) -> list[dict[str, Any]]:
-    """The Events xidflow's actuator wrote about the node. The node lifecycle controller and KWOK write their
-    own about it (``RegisteredNode``, ``NodeNotReady`` ...): those are the cluster's, not xidflow's effects."""
-    selector = f"involvedObject.name={node},source={XIDFLOW_EVENT_SOURCE}"
-    page = await kube._call(kube.core.list_namespaced_event, "default", field_selector=selector)
+async def object_events(kube: Kube, namespace: str, name: str) -> list[dict[str, Any]]:
+    """The Events xidflow's actuator wrote about the object ``name`` in ``namespace``. The cluster writes its own
+    about the same objects (the scheduler's ``Scheduled``, the node lifecycle controller's ``RegisteredNode``,
+    KWOK's): those are not xidflow's effects."""
+    selector = f"involvedObject.name={name},source={XIDFLOW_EVENT_SOURCE}"
+    page = await kube._call(kube.core.list_namespaced_event, namespace, field_selector=selector)
     return page.get("items") or []
+
+
+async def node_events(kube: Kube, node: str) -> list[dict[str, Any]]:
+    """The Events xidflow's actuator wrote about the node (see ``object_events``)."""
+    return await object_events(kube, "default", node)

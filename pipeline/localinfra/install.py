@@ -250,6 +250,27 @@ def controlplane_target() -> Path:
     return cache_root() / "controlplane" / f"{kubernetes_version()}-{_digest(GOMOD, GOSUM)}"
 
 
+def build_pinned_go(target: Path, stamp: str, files: Sequence[str], gomod: Path, gosum: Path,
+                    build: Callable[[str, Path, Path], None]) -> None:
+    """Publish ``target`` with ``files`` unless it is complete: ``build(go, module_dir, staging)`` runs in a
+    folder holding copies of the pinned ``gomod``/``gosum``, one builder of ``target`` at a time (a second
+    caller waits, then finds it complete), into a staging folder published whole."""
+    if cache.is_complete(target, *files):
+        return
+    go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
+    with cache.one_builder(target):
+        if cache.is_complete(target, *files):
+            return
+        tmp = Path(tempfile.mkdtemp(prefix=f"xidflow-{target.parent.name}-build-"))
+        try:
+            shutil.copy(gomod, tmp / "go.mod")
+            shutil.copy(gosum, tmp / "go.sum")
+            with cache.publishing(target, stamp, *files) as staging:
+                build(go, tmp, staging)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
 def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
     """Build kube-apiserver, kube-controller-manager, kube-scheduler and etcd with Go, in one build from
     published modules (cached by version)."""
@@ -257,28 +278,16 @@ def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
     target = controlplane_target()
     dist = ControlPlaneDist(version, target / "kube-apiserver", target / "etcd", target / "kube-controller-manager",
                             target / "kube-scheduler")
-    names = [b.name for b in dist.binaries]
-    if cache.is_complete(target, *names):
-        return dist
-    go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
-    with cache.one_builder(target):
-        if cache.is_complete(target, *names):
-            return dist
-        tmp = Path(tempfile.mkdtemp(prefix="xidflow-gobuild-"))
-        try:
-            shutil.copy(GOMOD, tmp / "go.mod")
-            shutil.copy(GOSUM, tmp / "go.sum")
-            with cache.publishing(target, version, *names) as staging:
-                go_build(
-                    go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", *CONTROLPLANE_PACKAGES],
-                    tmp, f"building the control plane {version} (kube-apiserver, kube-controller-manager, "
-                    "kube-scheduler) and etcd with Go (minutes on a cold cache)", log, go_env(), target,
-                )
-                (staging / "server").rename(staging / dist.etcd.name)
-            log(f"kube-apiserver, kube-controller-manager, kube-scheduler {version} and etcd installed in {target}")
-            return dist
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(go: str, module: Path, staging: Path) -> None:
+        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", *CONTROLPLANE_PACKAGES], module,
+                 f"building the control plane {version} (kube-apiserver, kube-controller-manager, kube-scheduler) "
+                 "and etcd with Go (minutes on a cold cache)", log, go_env(), target)
+        (staging / "server").rename(staging / dist.etcd.name)
+        log(f"kube-apiserver, kube-controller-manager, kube-scheduler {version} and etcd built for {target}")
+
+    build_pinned_go(target, version, [b.name for b in dist.binaries], GOMOD, GOSUM, build)
+    return dist
 
 
 @dataclass(frozen=True)
@@ -315,31 +324,20 @@ def ensure_kwok(log: Log = print) -> KwokDist:
     version = kwok_version()
     target = cache_root() / "kwok" / f"{version}-{_digest(KWOK_GOMOD, KWOK_GOSUM)}"
     dist = KwokDist(version, target / "kwok")
-    wanted = [dist.binary.name, *(f"{dist.module_files.name}/{d}" for d in KWOK_MODULE_DIRS)]
-    if cache.is_complete(target, *wanted):
-        return dist
-    go = _need("go", "install Go >= 1.26 (https://go.dev/dl or your distribution)")
-    with cache.one_builder(target):
-        if cache.is_complete(target, *wanted):
-            return dist
-        tmp = Path(tempfile.mkdtemp(prefix="xidflow-kwokbuild-"))
-        try:
-            shutil.copy(KWOK_GOMOD, tmp / "go.mod")
-            shutil.copy(KWOK_GOSUM, tmp / "go.sum")
-            env = go_env()
-            with cache.publishing(target, version, *wanted) as staging:
-                go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / dist.binary.name),
-                              f"{KWOK_MODULE}/cmd/kwok"],
-                         tmp, f"building KWOK {version} with Go (minutes on a cold cache)", log, env, target)
-                source = _module_dir(go, tmp, env, KWOK_MODULE)
-                for folder in KWOK_MODULE_DIRS:
-                    # The module cache is read-only: copies that are not would stay removable.
-                    shutil.copytree(source / folder, staging / dist.module_files.name / folder,
-                                    copy_function=shutil.copyfile)
-            log(f"KWOK {version} installed in {target}")
-            return dist
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
+
+    def build(go: str, module: Path, staging: Path) -> None:
+        env = go_env()
+        go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging / dist.binary.name), f"{KWOK_MODULE}/cmd/kwok"],
+                 module, f"building KWOK {version} with Go (minutes on a cold cache)", log, env, target)
+        source = _module_dir(go, module, env, KWOK_MODULE)
+        for folder in KWOK_MODULE_DIRS:
+            # The module cache is read-only: copies that are not would stay removable.
+            shutil.copytree(source / folder, staging / dist.module_files.name / folder, copy_function=shutil.copyfile)
+        log(f"KWOK {version} built for {target}")
+
+    files = [dist.binary.name, *(f"{dist.module_files.name}/{d}" for d in KWOK_MODULE_DIRS)]
+    build_pinned_go(target, version, files, KWOK_GOMOD, KWOK_GOSUM, build)
+    return dist
 
 
 def _module_dir(go: str, build_dir: Path, env: dict[str, str], module: str) -> Path:

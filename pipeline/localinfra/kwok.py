@@ -8,9 +8,10 @@ permissions are the module's ClusterRole.
 What KWOK does here (the stages, ``STAGES``):
 
 - nodes labelled ``MANAGED_LABEL`` (``kwok.x-k8s.io/node=fake``) are KWOK's: ``node-initialize`` makes
-  a new node Ready (keeping the ``status.nodeInfo.bootID``, capacity and allocatable it was created
-  with), ``node-heartbeat-with-lease`` renews its Lease in ``kube-node-lease`` every quarter of
-  ``--node-lease-duration-seconds``, as a kubelet does. A label, not an annotation: KWOK watches nodes
+  a node that is not Ready Ready (keeping the ``status.nodeInfo.bootID``, capacity and allocatable it
+  was created with); KWOK renews its Lease in ``kube-node-lease`` every quarter of
+  ``--node-lease-duration-seconds`` and ``node-heartbeat-with-lease`` refreshes its status every 10 to
+  20 minutes, as a kubelet with node leases does. A label, not an annotation: KWOK watches nodes
   with a server-side label selector, so removing the label is a watch ``DELETED`` for KWOK, which then
   stops renewing the node's Lease (the machine is gone; the node lifecycle controller marks it
   ``Unknown`` and taints it ``node.kubernetes.io/unreachable`` after its grace period). Nodes without

@@ -30,7 +30,7 @@ import orjson
 import pytest
 
 from pipeline.actuator.app import actuator_topics
-from pipeline.actuator.testing import node_events, wait_until
+from pipeline.actuator.testing import node_events, object_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import LogRecord, Outcome, Source
@@ -216,9 +216,7 @@ async def test_every_shape_through_sigkilled_workers_and_actuators_doubles_and_l
             if any(count > 1 for count in evicted.values()):
                 problems.append(f"{label}: evicted twice {evicted}")
             for pod in (f"{node}-{p}" for p in PODS):
-                page = await env.kube._call(env.kube.core.list_namespaced_event, work,
-                                            field_selector=f"involvedObject.name={pod}")
-                reasons = [e["reason"] for e in page.get("items") or []]
+                reasons = [e["reason"] for e in await object_events(env.kube, work, pod)]
                 if reasons.count("GPUFault") != 1:
                     problems.append(f"{label}: pod {pod} Events {reasons}")
         assert not problems, "\n".join(problems)

@@ -25,7 +25,7 @@ from pipeline.actuator.dra import PCI_ATTRIBUTE
 from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
 from pipeline.actuator.machines import hostname
 from pipeline.actuator.ownership import LEDGER_ANNOTATION
-from pipeline.actuator.testing import XIDFLOW_EVENT_SOURCE, make_incident
+from pipeline.actuator.testing import make_incident, object_events
 from pipeline.actuator.workload import EVENT_REASON, GPU_FAULT_CONDITION
 from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome, RemediationRecord
@@ -77,9 +77,7 @@ async def make_pod(kube: Kube, ns: str, node: str, name: str, owners: list[dict[
 
 async def pod_events(kube: Kube, ns: str, pod: str) -> list[dict[str, Any]]:
     """xidflow's Events about the pod (the scheduler writes its own: ``Scheduled``)."""
-    selector = f"involvedObject.name={pod},source={XIDFLOW_EVENT_SOURCE}"
-    page = await kube._call(kube.core.list_namespaced_event, ns, field_selector=selector)
-    return page.get("items") or []
+    return await object_events(kube, ns, pod)
 
 
 async def gpu_condition(kube: Kube, ns: str, pod: str) -> dict[str, Any] | None:

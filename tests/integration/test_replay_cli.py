@@ -18,6 +18,7 @@ import orjson
 import pytest
 import yaml
 
+from pipeline.actuator.testing import XIDFLOW_EVENT_SOURCE
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from tests.integration.test_actuator_effects import Env
@@ -86,7 +87,8 @@ async def groups(bootstrap: str) -> set[str]:
 
 
 async def snapshot(env: Env, nodes: list[str]) -> dict[str, Any]:
-    """resourceVersions of every object the replay could have touched (nodes, policies, the namespace)."""
+    """resourceVersions of every object the replay could have touched (nodes, policies, the namespace; of Events,
+    xidflow's)."""
     kube = env.kube
     out: dict[str, Any] = {}
     for node in nodes:
@@ -102,6 +104,8 @@ async def snapshot(env: Env, nodes: list[str]) -> dict[str, Any]:
         for ns in (env.namespace, "default"):
             page = await kube._call(lister, ns)
             for item in page.get("items") or []:
+                if kind == "event" and (item.get("source") or {}).get("component") != XIDFLOW_EVENT_SOURCE:
+                    continue  # the cluster's (the node lifecycle controller's RegisteredNode ...), written when it may
                 if any(n in str(item) for n in nodes) or ns == env.namespace:
                     out[f"{kind}/{ns}/{item['metadata']['name']}"] = item["metadata"]["resourceVersion"]
     return out

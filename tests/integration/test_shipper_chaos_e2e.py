@@ -41,7 +41,7 @@ from aiokafka.admin import AIOKafkaAdminClient
 from kubernetes import client, config
 
 from pipeline.actuator.app import actuator_topics
-from pipeline.actuator.testing import create_nodes, node_events, wait_until
+from pipeline.actuator.testing import create_nodes, node_events, object_events, wait_until
 from pipeline.app import worker_topics
 from pipeline.demo.shipping import FluentBitAccess, NodeShipper
 from pipeline.ingest.probe import read_boot_id
@@ -399,9 +399,7 @@ async def test_real_shippers_through_sigkilled_worker_and_actuators_count_per_no
             reasons = [e["reason"] for e in await node_events(env.kube, node)]
             pod_events: dict[str, list[str]] = {}
             for pod in (f"{node}-{p}" for p in PODS) if with_pods else ():
-                page = await env.kube._call(env.kube.core.list_namespaced_event, work,
-                                            field_selector=f"involvedObject.name={pod}")
-                pod_events[pod] = [e["reason"] for e in page.get("items") or []]
+                pod_events[pod] = [e["reason"] for e in await object_events(env.kube, work, pod)]
             evicted = Counter(p for r in audit if r.node == node and r.action == "drain"
                               and r.outcome == Outcome.APPLIED for p in r.details.get("evicted", []))
             left = await pods_on(env.kube, node)
