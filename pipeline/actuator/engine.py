@@ -173,6 +173,8 @@ class Engine:
             return
         ledger = view.ledger
         revision = record.revision if isinstance(record, NodeIncident) else 0
+        if isinstance(record, NodeIncident):
+            flow = repaircase.flow_of(ledger, flow, revision)  # a revision a repair case runs as a flow of its own
         known = flow in ledger.flows
         newer = known and revision > ledger.revision(flow)  # an escalation of a recorded incident
         if on_durable is not None and known and not newer:

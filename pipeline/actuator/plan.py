@@ -134,22 +134,27 @@ def plan_incident(
     settings: ActuatorSettings,
     now: float,
 ) -> Plan:
-    """The steps for one incident on one node, in order."""
+    """The steps for one incident on one node, in order.
+
+    The flow is the incident's id, or, for a revision of an incident that comes back in a repair case after
+    its flow ended (``repaircase.revision_flow``), a flow of that revision: its repair runs again.
+    """
     ledger = node.ledger
     problem = classify_incident(incident)
     rule = policies.select(incident.kind, incident.code, node.labels)
-    base = {"flow_key": incident.incident_id, "node": node.name, "rule": rule.name, "problem": problem}
+    flow_key = repaircase.flow_of(ledger, incident.incident_id, incident.revision)
+    base = {"flow_key": flow_key, "node": node.name, "rule": rule.name, "problem": problem}
     if node.opted_out(settings.opt_out_label):
         return Plan(**base, skip_reason=f"opt-out label {settings.opt_out_label}=true")
     if settings.manual_only:
         return Plan(**base, skip_reason="manual-only mode: automatic policies are off")
-    cancelled = ledger.cancelled(incident.incident_id)
+    cancelled = ledger.cancelled(flow_key)
     if cancelled:
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
-    if not node.unschedulable and incident.incident_id in ledger.owners(CORDON):
+    if not node.unschedulable and flow_key in ledger.owners(CORDON):
         return Plan(**base, skip_reason="cancelled: manual-uncordon")
     part = open_part(ledger)
-    if part and incident.incident_id not in ledger.flows and blamed_on_part(
+    if part and flow_key not in ledger.flows and blamed_on_part(
         incident.kind, incident.code, incident.signature, Catalog.configured()
     ):
         # The part behind the node is blamed already (pipeline.actuator.sharedparts): its rule applies, not
@@ -159,16 +164,23 @@ def plan_incident(
     loop = rule.repair_loop
     held = repaircase.untouched(ledger)
     cls = str(problem.condition_type)
-    if held and not _in_case(ledger, incident.incident_id):
+    if held and not _in_case(ledger, flow_key):
         # Handed off (or being handed off): the external repair system has the node. A fault of the case's
         # class is recorded in the case (its evidence travels with the next hand-off); nothing starts.
         join = repaircase.Decision("join", cls, incident.incident_id) if repaircase.case_of(ledger, cls) else None
         return Plan(**base, skip_reason=f"{held}: xidflow does not touch the node", case=join)
     decision: repaircase.Decision | None = None
-    if loop is not None and not repaircase.seen(ledger, cls, incident.incident_id, incident.revision):
+    if loop is not None and repaircase.seen(ledger, cls, incident.incident_id, incident.revision):
+        if not _in_case(ledger, flow_key):  # a redelivery of a fault that joined the case: it started nothing
+            case_id = (repaircase.case_of(ledger, cls) or {}).get("case")
+            return Plan(**base, skip_reason=f"recorded in repair case {case_id} already")
+    elif loop is not None:
         decision = repaircase.decide(ledger, cls, incident.incident_id, now, loop.window, loop.max_failed_repairs)
         if decision.kind == "join":
             return Plan(**base, skip_reason=f"{decision.reason} (fault recorded in the case)", case=decision)
+        if decision.kind in ("relapse", "escalate") and flow_key in ledger.flows:
+            # The incident's flow ended with an earlier repair: this revision is a flow of its own in the case.
+            flow_key = base["flow_key"] = repaircase.revision_flow(incident.incident_id, incident.revision)
     specs = expand_actions(rule, incident)
     case_fields: dict[str, Any] = {}
     if loop is not None:
@@ -187,7 +199,7 @@ def plan_incident(
         ]
         case_fields["details"] = {"escalation": decision.reason}
     escalated = incident.action == Action.CONTACT_SUPPORT and any(s.name in ESCALATION_DROPS for s in specs)
-    is_new_flow = incident.incident_id not in ledger.flows
+    is_new_flow = flow_key not in ledger.flows
     disruptive = any(s.name in DISRUPTIVE for s in specs)
     over_cap = (
         is_new_flow

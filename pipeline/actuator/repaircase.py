@@ -96,6 +96,18 @@ def case_of_flow(ledger: Ledger, flow: str) -> tuple[str, dict[str, Any]] | None
     return None
 
 
+def revision_flow(incident_id: str, revision: int) -> str:
+    """The flow of an incident's revision that came back in a repair case after the incident's own flow ended
+    (the aggregation re-emits an open incident when its fault repeats): ``<incident>-rev<n>``."""
+    return f"{incident_id}-rev{revision}"
+
+
+def flow_of(ledger: Ledger, incident_id: str, revision: int) -> str:
+    """The flow an incident's record drives: its revision's flow when a case recorded one, else its own id."""
+    alias = revision_flow(incident_id, revision)
+    return alias if alias in ledger.flows else incident_id
+
+
 def is_open(case: Mapping[str, Any] | None) -> bool:
     return case is not None and case.get("stage") not in (CLOSED, None)
 

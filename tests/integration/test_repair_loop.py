@@ -340,7 +340,9 @@ async def test_the_whole_loop_fault_repairs_escalation_hand_off_replaced_and_bac
         from pipeline.commands.status import history_rows, node_rows
 
         (row,) = node_rows([await env.node(node)])
-        lines = _timeline(start, sorted(timeline + rows), policy_text, history_rows(row), row["repair"])
+        shown = await xidflow_status(env, node)
+        assert "returned (GpuFellOffBus, 0/2 failed)" in shown and "handed off as RepairRequest" in shown
+        lines = _timeline(start, sorted(timeline + rows), policy_text, history_rows(row), row["repair"]) + shown
         if path := os.environ.get("XIDFLOW_REPAIR_TIMELINE"):
             await asyncio.to_thread(Path(path).write_text, lines)
         print(lines)
@@ -348,6 +350,19 @@ async def test_the_whole_loop_fault_repairs_escalation_hand_off_replaced_and_bac
         act.consumer._stopping.set()
         await asyncio.gather(consumer, return_exceptions=True)
         await env.kube._call(env.kube.core.delete_namespace, ns)
+
+
+async def xidflow_status(env: Env, node: str) -> str:
+    """``xidflow status NODE`` as an operator runs it (its own client, the cluster's API server)."""
+    from click.testing import CliRunner
+
+    from pipeline.cli import cli
+
+    runner = CliRunner(env={"KUBECONFIG": env.kubeconfig, "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": env.selector,
+                            "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace, "COLUMNS": "400"})
+    result = await asyncio.to_thread(runner.invoke, cli, ["status", node], catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return f"$ xidflow status {node}\n{result.output}"
 
 
 def _timeline(start: float, events: list[tuple[float, str]], policy: str, history: list[dict[str, Any]],
@@ -385,6 +400,9 @@ async def test_a_flapping_node_is_one_repair_case_until_the_limit_hands_it_off(e
     assert [f["incidentId"] for f in request["spec"]["faults"]] == ["inc-flap-0", "inc-flap-1", "inc-flap-2"]
     decide = [r for r in await env.audit() if r.node == node and r.action == "decide"][-1]
     assert "2 repairs did not hold (limit 2)" in decide.details["escalation"]
+    shown = await xidflow_status(env, node)
+    assert "handed-off (GpuFellOffBus, 2/2 failed)" in shown
+    assert shown.count("returned") >= 2 and "came back" in shown
 
 
 async def test_a_repair_budget_holds_the_second_node_of_a_rack_until_the_first_is_done(

@@ -229,3 +229,29 @@ def test_repair_budgets_take_one_bound_and_one_label_each() -> None:
     implied = load_yaml_text("kind: RescuePolicy\nmetadata: {name: p}\nspec:\n  rules:\n"
                              "  - {codes: [79], actions: [{name: cordon}, {name: diagnose}]}\n")
     assert implied.rules[0].repair_loop is not None and implied.rules[0].repair_loop.max_failed_repairs == 2
+
+
+def test_a_revision_of_a_returned_incident_is_a_relapse_with_a_flow_of_its_own() -> None:
+    ledger, _ = opened()
+    returned(ledger, NOW)
+    again = incident().model_copy(update={"revision": 1})  # the aggregation re-emits its open incident
+    plan = plan_incident(again, LOOP, node(ledger=ledger), SETTINGS, NOW + 60)
+    assert plan.case.kind == "relapse" and plan.flow_key == "inc-1-rev1"
+    assert [s.name for s in plan.steps][-2:] == ["reboot", "diagnose"]
+    repaircase.apply_decision(ledger, plan.case, plan.flow_key, again.model_dump(mode="json"), NOW + 60)
+    ledger.open_flow(plan.flow_key, {"rec": again.model_dump(mode="json"), "steps": []}, NOW + 60, rev=1)
+    assert ledger.repairs[CLS]["flows"] == ["inc-1", "inc-1-rev1"] and ledger.repairs[CLS]["failed"] == 1
+    assert repaircase.flow_of(ledger, "inc-1", 1) == "inc-1-rev1" and repaircase.flow_of(ledger, "inc-1", 0) == "inc-1"
+    # its redelivery plans that flow again, not a second relapse
+    redelivered = plan_incident(again, LOOP, node(ledger=ledger), SETTINGS, NOW + 61)
+    assert redelivered.flow_key == "inc-1-rev1" and redelivered.case is None
+
+
+def test_a_redelivered_fault_that_joined_a_case_starts_nothing_after_the_return() -> None:
+    ledger, _ = opened()
+    late = incident(iid="inc-late")
+    repaircase.apply_decision(ledger, repaircase.Decision("join", CLS, "inc-1"), None, late.model_dump(mode="json"),
+                              NOW + 1)
+    returned(ledger, NOW + 2)
+    plan = plan_incident(late, LOOP, node(ledger=ledger), SETTINGS, NOW + 3)
+    assert plan.skip_reason == "recorded in repair case inc-1 already" and not plan.steps
