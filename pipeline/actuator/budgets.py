@@ -88,11 +88,15 @@ class RepairBudgets:
 
         await update_json_configmap(self.kube, self.namespace, self.name, mutate)
 
-    async def release(self, node: str) -> None:
+    async def release(self, node: str, worker: str) -> None:
+        """Give the node's slots back, only where ``worker`` holds them (a replica that took the step over holds
+        its own)."""
+
         def mutate(state: dict[str, Any]) -> None:
             groups = state.get("groups") or {}
             for key in list(groups):
-                groups[key].pop(node, None)
+                if (groups[key].get(node) or {}).get("by") == worker:
+                    del groups[key][node]
                 if not groups[key]:
                     del groups[key]
 

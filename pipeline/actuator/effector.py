@@ -479,7 +479,7 @@ class LiveEffector:
         finally:
             if ctx.budgeted:
                 ctx.budgeted = False
-                await asyncio.shield(self.budgets.release(ctx.plan.node))
+                await asyncio.shield(self.budgets.release(ctx.plan.node, self.worker))
         if waited:
             result.details = {**waited, **result.details}
         return result

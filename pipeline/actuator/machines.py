@@ -259,6 +259,15 @@ HELD_POD_LABELS = {POD_COMPLETE_LABEL: "false"}
 runs the pod and leaves it running until then."""
 
 
+def held_job(template: str) -> dict[str, Any]:
+    """A hook Job template (YAML) whose pod the machine's program ends when a test says (``HELD_POD_LABELS``). Pure."""
+    import yaml
+
+    job = yaml.safe_load(template)
+    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(HELD_POD_LABELS)
+    return job
+
+
 async def job_pods(kube: Kube, namespace: str, job: str) -> list[dict[str, Any]]:
     """The pods the Job controller made for a Job (its ``batch.kubernetes.io/job-name`` label)."""
     return await kube.list_pods(namespace, f"batch.kubernetes.io/job-name={job}")

@@ -12,10 +12,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.actuator import checkpoint, conditions
 from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
@@ -158,6 +158,33 @@ _ATTRS_BY_ACTION: dict[str, set[str]] = attrs_by_action()
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+SHARED_PART_NAME_MAX = 56
+"""The taint key is ``xidflow.dev/shared-<name>`` and a taint key's name is at most 63 characters."""
+
+
+def label_key_error(key: str) -> str | None:
+    """Why ``key`` is not a Kubernetes label key (None: it is): an optional DNS subdomain and '/', a name."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return f"{key!r}: the prefix before '/' must be a DNS subdomain"
+    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
+        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.', optionally prefixed)"
+    return None
+
+
+def _label_key(value: str) -> str:
+    problem = label_key_error(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+LabelKey = Annotated[str, AfterValidator(_label_key)]
+"""A Kubernetes label key (``label_key_error`` says why not)."""
+
+
 class HandoffSpec(_Model):
     """Where a node goes when repairs did not hold (``hardwareInspection``): always a ``RepairRequest`` object
     (deploy/crds/repairrequests.xidflow.dev.yaml), whose status the external repair system answers; with
@@ -189,17 +216,9 @@ class RepairBudget(_Model):
     """At most ``maxNodes`` nodes (or ``maxShare`` of the GPU nodes) sharing a value of ``label`` in a repair step
     (drain, reboot, resetGpu, diagnose) at once, held across replicas in a ConfigMap (docs/repair.md)."""
 
-    label: str = Field(min_length=1, max_length=317, description="Node label key that names the group")
+    label: LabelKey = Field(min_length=1, max_length=317, description="Node label key that names the group")
     max_nodes: int | None = Field(default=None, ge=1, le=100_000, alias="maxNodes")
     max_share: float | None = Field(default=None, gt=0, le=1, alias="maxShare")
-
-    @field_validator("label")
-    @classmethod
-    def _label(cls, value: str) -> str:
-        problem = label_key_error(value)
-        if problem:
-            raise ValueError(problem)
-        return value
 
     @model_validator(mode="after")
     def _one_bound(self) -> RepairBudget:
@@ -284,22 +303,6 @@ class Rule(_Model):
         return int(bool(self.codes)) + int(bool(self.kinds)) + int(self.node_selector is not None)
 
 
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-SHARED_PART_NAME_MAX = 56
-"""The taint key is ``xidflow.dev/shared-<name>`` and a taint key's name is at most 63 characters."""
-
-
-def label_key_error(key: str) -> str | None:
-    """Why ``key`` is not a Kubernetes label key (None: it is): an optional DNS subdomain and '/', a name."""
-    prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return f"{key!r}: the prefix before '/' must be a DNS subdomain"
-    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
-        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.', optionally prefixed)"
-    return None
-
-
 def default_part_name(label: str) -> str:
     """``topology.kubernetes.io/rack`` -> ``rack``: the label's name, lower case, as a taint key suffix."""
     name = re.sub(r"[^a-z0-9-]+", "-", label.rpartition("/")[2].lower()).strip("-")
@@ -314,20 +317,12 @@ class SharedPartRule(_Model):
     one audit record (which goes to the notification webhooks); never a cordon, drain or reboot, and the
     circuit breaker does not count those nodes as quarantined."""
 
-    label: str = Field(min_length=1, max_length=317, description="Topology label key the nodes share")
+    label: LabelKey = Field(min_length=1, max_length=317, description="Topology label key the nodes share")
     name: str = Field(default="", max_length=SHARED_PART_NAME_MAX, description="Short name; default from the label")
     min_nodes: int = Field(default=3, ge=2, le=100_000, alias="minNodes")
     window: float = Field(default=300.0, gt=0, le=86_400, description="Seconds (event time)")
     taint_effect: TaintEffect | Literal["None"] = Field(default="NoSchedule", alias="taintEffect")
     condition: bool = True
-
-    @field_validator("label")
-    @classmethod
-    def _label(cls, value: str) -> str:
-        problem = label_key_error(value)
-        if problem:
-            raise ValueError(problem)
-        return value
 
     @field_validator("name")
     @classmethod

@@ -8,8 +8,9 @@ helpers are re-exported here for the tests and benchmarks that import them from 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -39,7 +40,7 @@ __all__ = [
     "GPU_ALLOCATABLE", "GPU_CAPACITY", "GPU_LABELS", "XID79_LINE", "XIDFLOW_EVENT_SOURCE", "create_nodes",
     "delete_nodes", "make_incident", "node_events", "node_object", "node_status", "object_events", "publish",
     "read_audit", "read_topic", "reboot", "resume_heartbeats", "set_node_ready", "stop_heartbeats",
-    "wait_nodes_usable", "wait_until",
+    "wait_nodes_usable", "wait_until", "webhook_receiver",
 ]
 
 
@@ -110,6 +111,24 @@ async def read_topic(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[
         return out
     finally:
         await consumer.stop()
+
+
+@contextlib.asynccontextmanager
+async def webhook_receiver(path: str, handler: Callable[[Any], Awaitable[Any]]) -> AsyncIterator[str]:
+    """An HTTP server on loopback for a test's webhook (aiohttp ``handler`` for POST ``path``); yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}{path}"
+    finally:
+        await runner.cleanup()
 
 
 async def wait_until(

@@ -29,9 +29,16 @@ from pipeline.actuator import repaircase, repairrequest
 from pipeline.actuator.actions.diagnose import HOOK_LABEL
 from pipeline.actuator.app import Actuator, actuator_topics
 from pipeline.actuator.diagnostics import DEFAULT_DIAGNOSTICS_JOB
-from pipeline.actuator.machines import HELD_POD_LABELS, finish_diagnostics, reboot_when_asked
+from pipeline.actuator.machines import finish_diagnostics, held_job, reboot_when_asked
 from pipeline.actuator.policy import load_yaml_text
-from pipeline.actuator.testing import make_incident, node_events, publish, read_topic, wait_until
+from pipeline.actuator.testing import (
+    make_incident,
+    node_events,
+    publish,
+    read_topic,
+    wait_until,
+    webhook_receiver,
+)
 from pipeline.kafka.admin import ensure_topics
 from pipeline.runtime.settings import KafkaSettings
 from schemas.records import Outcome
@@ -74,10 +81,8 @@ REBOOT_AND_DIAGNOSE = ("[{name: quarantine}, {name: drain, gracePeriodCap: 0, ti
 
 def held_diagnostics(tmp_path: Path) -> str:
     """The built-in diagnostics Job whose pod runs until the machine's program says pass or fail."""
-    job = yaml.safe_load(DEFAULT_DIAGNOSTICS_JOB)
-    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(HELD_POD_LABELS)
     path = tmp_path / "diagnostics-job.yaml"
-    path.write_text(yaml.safe_dump(job))
+    path.write_text(yaml.safe_dump(held_job(DEFAULT_DIAGNOSTICS_JOB)))
     return str(path)
 
 
@@ -223,20 +228,11 @@ async def test_a_diagnostics_timeout_escalates_and_the_webhook_gets_the_cloudeve
         received.append((request.headers["Content-Type"], await request.json()))
         return web.json_response({}, status=202)
 
-    app = web.Application()
-    app.router.add_post("/repairs", receive)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with webhook_receiver("/repairs", receive) as url:
         policy = loop_policy("[{name: quarantine}, {name: diagnose, timeout: 3}]",
-                             f"{{maxFailedRepairs: 1, handoff: {{webhookUrl: 'http://127.0.0.1:{port}/repairs'}}}}")
+                             f"{{maxFailedRepairs: 1, handoff: {{webhookUrl: '{url}'}}}}")
         act = await env.actuator(policy, diagnostics_job_template=held_diagnostics(tmp_path))
         await act.engine.handle(make_incident(node, "inc-slow"))
-    finally:
-        await runner.cleanup()
     (job,) = await diagnostics_jobs(env, node)
     failed = await wait_job(env.kube, env.namespace, job["metadata"]["name"], "Failed")
     assert any(c.get("reason") == "DeadlineExceeded" for c in failed["status"]["conditions"])  # the Job controller's
