@@ -15,7 +15,10 @@ LOCK   := requirements.lock
 $(STAMP): $(LOCK) pyproject.toml
 	rm -rf $(VENV)
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --require-hashes -r $(LOCK)
+	@# A cold machine spends a minute or more here: pip names each package as it fetches it (no
+	@# progress bars, which a piped log would show as noise).
+	@echo "setup: installing the $$(grep -c '^[a-z0-9]' $(LOCK)) Python packages of $(LOCK) into $(VENV) ..."
+	$(PY) -m pip install --progress-bar off --disable-pip-version-check --require-hashes -r $(LOCK)
 	@# setuptools' note about editable installs is a warning for package authors, not a newcomer's business.
 	PYTHONWARNINGS=ignore $(PY) -m pip install --quiet --disable-pip-version-check --no-deps --no-build-isolation -e .
 	touch $(STAMP)
@@ -51,8 +54,11 @@ infra: setup
 test-infra: infra
 	$(VENV)/bin/xidflow local install --no-loki --rsyslog --promtool --otelcol
 
+# When `make demo` began (read as make starts), so the demo's last line gives the set-up and the total a newcomer
+# waits: minutes on a cold machine (the builds), seconds after.
+DEMO_STARTED := $(shell date +%s)
 demo: infra
-	$(VENV)/bin/xidflow demo
+	$(VENV)/bin/xidflow demo --setup-started $(DEMO_STARTED)
 
 lint: setup
 	$(VENV)/bin/ruff check .

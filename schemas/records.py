@@ -41,6 +41,13 @@ class FaultKind(StrEnum):
     KERNEL_SEGFAULT = "kernel_segfault"
 
 
+class Reporter(StrEnum):
+    """Who printed an SXid report: the NVSwitch driver (its kernel line) or Fabric Manager (its own log)."""
+
+    DRIVER = "driver"
+    FABRIC_MANAGER = "fabric_manager"
+
+
 class Action(StrEnum):
     """NVIDIA's immediate-resolution buckets, in increasing order of disruption."""
 
@@ -210,6 +217,17 @@ class FaultEvent(Record):
     nvswitch: str | None = Field(default=None, description="nvidia-nvswitchN device for SXid")
     link: int | None = None
     fatal: bool | None = Field(default=None, description="Fatality printed in the line (SXid, NVLink5)")
+    gpu_instance: int | None = Field(
+        default=None, description="MIG GPU instance the driver attributed the Xid to (GPU-I:<n> in the line)"
+    )
+    compute_instance: int | None = Field(
+        default=None, description="MIG compute instance the driver attributed the Xid to (GPU-CI:<n> in the line)"
+    )
+    reporter: Reporter | None = Field(
+        default=None,
+        description="SXid: who printed the report (driver: the kernel line; fabric_manager: Fabric Manager's log). "
+        "One fault both print is one incident (the aggregation counts the fuller reporter's reports)",
+    )
     pid: int | None = None
     process: str | None = None
     grade: SignalGrade | None = Field(default=None, description="Pod signals: hardware/application/sympathetic")
@@ -217,7 +235,11 @@ class FaultEvent(Record):
     severity: Severity
     sticky: bool = Field(default=False, description="Catalog says repeats point to hardware")
     name: str = Field(default="", description="Catalog name of the code")
-    detail: dict[str, Any] = Field(default_factory=dict, description="Code-specific fields (GPC/TPC/SM, registers)")
+    detail: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Code-specific fields (GPC/TPC/SM, registers; Fabric Manager's physical_id and fid; a pod "
+        "signal's cuda_error name and cuda_error_code number)",
+    )
     ts: UtcDateTime = Field(description="When the line was logged")
     ingested_at: UtcDateTime = Field(default_factory=utcnow)
     line: str = ""
@@ -243,6 +265,12 @@ class NodeIncident(CompiledJsonRecord):
     code: int | None = None
     pci: str | None = None
     gpu_uuid: str | None = None
+    gpu_instance: int | None = Field(
+        default=None, description="MIG GPU instance the incident's faults were attributed to (None: the whole GPU)"
+    )
+    compute_instance: int | None = Field(
+        default=None, description="MIG compute instance of the event that opened the incident, when printed"
+    )
     count: int = 1
     first_seen: UtcDateTime
     last_seen: UtcDateTime
@@ -435,6 +463,8 @@ class DeadLetterCode(StrEnum):
     OUTPUT_FAILED = "output_failed"
     MORE_PROBLEMS = "more_problems"
     UNDECODABLE = "undecodable"  # a record batch no client can decode (corrupt): the marker names its offsets
+    TOO_MANY_LINES = "too_many_lines"  # a record past XIDFLOW_PARSE_MAX_LINES_PER_RECORD: its first lines parsed
+    NODE_OVER_BUDGET = "node_over_budget"  # a node's records past XIDFLOW_PARSE_MAX_KEY_BYTES_PER_BATCH in a batch
     OTHER = "other"
 
 

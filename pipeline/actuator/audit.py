@@ -37,6 +37,82 @@ from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSu
 
 log = logging.getLogger("xidflow.actuator.audit")
 
+AUDIT_DETAILS: dict[str, str] = {
+    # decide / resume
+    "rule": "decide, resume: the policy rule that matched (its name, `<policy>[<index>]` when unnamed, "
+    "`global-default`, or `rescue-request`).",
+    "steps": "decide, resume: the steps of the plan, in order (`cordon`, `taint`, `drain#2`, ...).",
+    "escalation": "decide: why the flow was escalated to CONTACT_SUPPORT (the attempt cap, or the incident's action).",
+    "xid": "decide of a rescue request: the Xid the request names.",
+    # steps in general
+    "applied_by": "A step found done in the node's ledger (outcome `already-applied`): the replica that applied it; "
+    "the ledger's details of that application follow.",
+    "holder": "A long step held by another live replica (outcome `skipped`): that replica's id.",
+    "lease_until": "With `holder`: when its lease lapses unless renewed (epoch seconds).",
+    "retaken_from": "A long step whose holder vanished: the replica whose lease was retaken.",
+    "event": "event: the Event's name (deterministic: a redelivery finds it).",
+    # drain and its checkpoint wait
+    "evicted": "drain: the pods evicted (namespace/name).",
+    "forced": "drain: the pods deleted after `forceAfter` (only in `forceNamespaces`).",
+    "left_alone": "drain: the pods the drain's filters leave on the node (excluded namespaces and the kinds a drain "
+    "never evicts).",
+    "blocked": "drain, failed: the pods still there at the timeout (PodDisruptionBudgets refused them).",
+    "checkpoint": "drain with `checkpointGrace`: the checkpoint wait: `result`, `grace_s`, `requested_at`, "
+    "`deadline`, `waited_s`, `asked`, `answered`, `unanswered`, `forbidden`.",
+    "result": "In `checkpoint`: answered, grace-expired, no-gpu-pods or gpu-lost.",
+    "grace_s": "In `checkpoint`: the policy's checkpointGrace, in seconds.",
+    "requested_at": "In `checkpoint`: when the pods were asked (RFC 3339).",
+    "deadline": "In `checkpoint`: when each pod is evicted whatever it answered (RFC 3339).",
+    "waited_s": "In `checkpoint`: seconds from the request to the last answer or the deadline.",
+    "asked": "In `checkpoint`: how many pods were asked.",
+    "answered": "In `checkpoint`: pods that answered (a few named).",
+    "unanswered": "In `checkpoint`: pods that did not answer in time (a few named).",
+    # reboot, resetGpu
+    "hook": "reboot: how the reboot was asked for (`job`, `annotation`, `webhook`).",
+    "boot_id_before": "reboot: the node's bootID before the reboot.",
+    "boot_id_after": "reboot: the new bootID it came back with.",
+    "job": "reboot (Job hook), resetGpu: the hook Job's name.",
+    "created": "reboot (Job hook), resetGpu: whether this application created the Job (false: it existed).",
+    "taint": "reboot (Job hook), resetGpu: xidflow's taint before the Job (the admission policy admits a hook Job only "
+    "on a node carrying it): `node carries <key>`, or that the step tainted the node itself.",
+    "status": "reboot (webhook hook): the HTTP status the webhook answered.",
+    "uncordon": "reboot with uncordonAfter: what the uncordon after the reboot did.",
+    # taintDevice
+    "scope": "taintDevice: what the fault affects (`gpu` or `node`).",
+    "pci": "taintDevice: the faulty GPU's PCI address.",
+    "gpu_instance": "taintDevice: the MIG GPU instance the fault names (`GPU-I:<n>` in the Xid), when it names one: "
+    "that instance's MIG device is tainted where the DRA driver publishes it, else the whole GPU.",
+    "verdict": "taintDevice: `device`, `device+node` (over maxTaintedDevices: the node is cordoned too) or `node`.",
+    "rules": "taintDevice: the DeviceTaintRules created (names).",
+    "devices": "taintDevice: the DRA devices tainted (driver, pool, device).",
+    "node_quarantine": "taintDevice: what the node quarantine did, where the node was quarantined.",
+    # notifyWorkload
+    "events": "notifyWorkload: Warning Events written on affected pods.",
+    "conditions": "notifyWorkload: pods given the xidflow.dev/GPUFault condition.",
+    "forbidden": "notifyWorkload, checkpoint: pods the actuator was not allowed to write (RBAC, admission).",
+    # enableWarmStandby
+    "standby": "enableWarmStandby: the standby node made schedulable.",
+    "targets": "enableWarmStandby, failed: the label sets a standby node had to match.",
+    # shared parts
+    "revision": "sharedPart: the shared-part incident's revision (nodes joining raise it).",
+    "tainted": "sharedPart: the nodes carrying the part's taint.",
+    "skipped": "sharedPart: nodes of the part that could not be marked now (gone, opted out, ...).",
+    "notified": "sharedPart: true on the part's first record only: the notifier tells people once per part "
+    "(\"switch X is faulty\"), later revisions are audited without a notification.",
+    # refusals
+    "refused": "rescue-request: what was refused (`signature`).",
+    "request_id": "rescue-request, api-idempotency-conflict: the request's id.",
+    "claimed_requested_by": "rescue-request: the client the refused record claims (not proven: it is unsigned or "
+    "forged).",
+    "requested_by": "api-idempotency-conflict: the authenticated client that reused the key.",
+    "idempotency_key": "api-idempotency-conflict: the key reused.",
+    "actions": "api-idempotency-conflict: the actions of the refused body.",
+}
+"""The keys of a record's ``details``, with what they mean: docs/audit.md is generated from it, and
+tests/unit/test_contract_docs.py fails when the actuator's code writes a key that is not here (the actions:
+``fleetmetrics.AUDIT_ACTIONS``). ``undo`` records
+carry an ``UndoPlan`` (``pipeline.actuator.plan``): its fields are listed from the dataclass."""
+
 
 class NotifierLike(Protocol):
     def notify(self, record: RemediationRecord | NodeIncident) -> None: ...

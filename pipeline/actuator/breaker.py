@@ -24,12 +24,13 @@ import contextlib
 import random
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Collection
 from typing import Any
 
 from pipeline.actuator.breaker_rules import (
     Admission,
     admitted_within,
+    in_fleet,
     live_reservations,
     quarantined_by_xidflow,
     settle,
@@ -38,6 +39,9 @@ from pipeline.actuator.breaker_rules import (
 from pipeline.actuator.configmap_state import read_json_configmap, update_json_configmap
 from pipeline.actuator.kube import API_PRIORITY, Kube
 from pipeline.runtime import metrics
+
+Fleet = tuple[int, frozenset[str], Collection[str]]
+"""(GPU nodes of the fleet selector, those xidflow has quarantined now, their names)."""
 
 
 class Breaker:
@@ -64,9 +68,9 @@ class Breaker:
         """Absolute bound next to the share (``breaker_max_nodes``); 0: none."""
         self.fleet_cache_seconds = fleet_cache_seconds
         self.on_trip = on_trip
-        self._fleet: tuple[float, int, frozenset[str]] | None = None
-        self.cache: Callable[[], tuple[int, frozenset[str]] | None] | None = None
-        """(GPU nodes, those quarantined by xidflow) kept by a list+watch of the same selector (the
+        self._fleet: tuple[float, Fleet] | None = None
+        self.cache: Callable[[], Fleet | None] | None = None
+        """(GPU nodes, those quarantined by xidflow, their names) kept by a list+watch of the same selector (the
         actuator's reconciler), None until it has listed. Admissions count the fleet from it instead of
         listing every node again: at 10,000 nodes that list is 20 pages parsed on the event loop, in the
         middle of the burst that asked. ``fresh`` reads (status, reset) still list."""
@@ -97,8 +101,9 @@ class Breaker:
         self.local_admissions = 0
         self.writes = 0
 
-    async def fleet_snapshot(self, fresh: bool = False) -> tuple[int, frozenset[str]]:
-        """GPU nodes in the fleet, and those xidflow has quarantined now (cached ``fleet_cache_seconds``)."""
+    async def fleet_snapshot(self, fresh: bool = False) -> Fleet:
+        """GPU nodes in the fleet, those xidflow has quarantined now, and their names (cached
+        ``fleet_cache_seconds``)."""
         now = time.monotonic()
         cached = None if fresh or self.cache is None else self.cache()
         if cached is not None:
@@ -106,8 +111,8 @@ class Breaker:
         if fresh or self._fleet is None or now - self._fleet[0] > self.fleet_cache_seconds:
             nodes = await self.kube.list_nodes(self.fleet_selector)
             quarantined = frozenset(n["metadata"]["name"] for n in nodes if quarantined_by_xidflow(n))
-            self._fleet = (now, len(nodes), quarantined)
-        return self._fleet[1], self._fleet[2]
+            self._fleet = (now, (len(nodes), quarantined, frozenset(n["metadata"]["name"] for n in nodes)))
+        return self._fleet[1]
 
     async def fleet_size(self) -> int:
         return (await self.fleet_snapshot())[0]
@@ -201,7 +206,7 @@ class Breaker:
         want = 0 if release else self.block
         since, self._since_write = self._since_write, 0
         try:
-            fleet, quarantined = await self.fleet_snapshot()
+            fleet, quarantined, members = await self.fleet_snapshot()
             result = await update_json_configmap(
                 self.kube,
                 self.namespace,
@@ -219,6 +224,7 @@ class Breaker:
                     time.time(),
                     self.reservation_ttl,
                     quarantined,
+                    members,
                     self.max_nodes,
                 ),
                 seen=self._seen,
@@ -279,8 +285,8 @@ class Breaker:
     async def status(self) -> dict[str, Any]:
         state = await read_json_configmap(self.kube, self.namespace, self.name)
         now = time.time()
-        admitted = admitted_within(state, self.window, now)
-        fleet, quarantined = await self.fleet_snapshot(fresh=True)
+        fleet, quarantined, members = await self.fleet_snapshot(fresh=True)
+        admitted = in_fleet(admitted_within(state, self.window, now), members)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)
         reserved = live_reservations(state, now, self.reservation_ttl)
         return {
@@ -289,7 +295,7 @@ class Breaker:
             "tripped_at": state.get("tripped_at"),
             "quarantined_in_window": len(admitted),
             "quarantined_now": len(quarantined),
-            "counted": len(admitted.keys() | quarantined),
+            "counted": len(admitted | quarantined),
             "fleet_size": fleet,
             "max_share": self.max_share,
             "max_nodes": self.max_nodes,
@@ -311,7 +317,7 @@ class Breaker:
         The nodes quarantined now stay counted: the window restarts with them (read fresh from the
         cluster, so a replica whose fleet cache is a few seconds old cannot admit past the limit).
         """
-        _, quarantined = await self.fleet_snapshot(fresh=True)
+        _, quarantined, _ = await self.fleet_snapshot(fresh=True)
 
         def mutate(state: dict[str, Any]) -> bool:
             was = bool(state.get("tripped"))

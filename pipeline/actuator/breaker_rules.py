@@ -7,7 +7,7 @@ decides: which nodes may be quarantined, when the breaker trips, how much headro
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,6 +48,15 @@ def admitted_within(state: Mapping[str, Any], window: float, now: float) -> dict
     return {n: t for n, t in (state.get("admitted") or {}).items() if now - float(t) <= window}
 
 
+def in_fleet(admitted: Mapping[str, float], members: Collection[str] | None) -> set[str]:
+    """The admitted nodes that are in the fleet now (all of them when its members are not known). Pure.
+
+    The share counts GPU nodes of the fleet selector only: a node admitted before the selector changed, or
+    one that left the fleet since (relabelled, deleted), is not one of them any more; it stays in the window
+    (the selector may change back) but is not counted against the fleet's share."""
+    return set(admitted) if members is None else {n for n in admitted if n in members}
+
+
 def decide_admissions(
     state: dict[str, Any],
     nodes: list[str],
@@ -57,6 +66,7 @@ def decide_admissions(
     now: float,
     quarantined_now: frozenset[str] = frozenset(),
     held: int = 0,
+    members: Collection[str] | None = None,
     max_nodes: int = 0,
 ) -> dict[str, Admission]:
     """Admit nodes into quarantine while the share quarantined stays <= max_share (and, with ``max_nodes``, their
@@ -71,6 +81,9 @@ def decide_admissions(
     ``held``: slots other replicas reserved and may still fill. A node that fits under the limit only
     without them is not refused and does not trip: it waits (``Admission.waiting``) until they are
     used (counted then), handed back or expired. The trip is decided on real nodes only.
+
+    ``members``: the fleet's nodes (the selector's) when known; admissions in the window of nodes outside it
+    are not counted (``in_fleet``).
     """
     admitted = admitted_within(state, window, now)
     state["admitted"] = admitted
@@ -78,7 +91,7 @@ def decide_admissions(
     out: dict[str, Admission] = {}
     # One set, grown as nodes are admitted: a fresh union per node made a burst of b nodes on a fleet
     # with q quarantined cost b x q (seconds for a large burst on a large fleet).
-    counted = set(admitted) | quarantined_now
+    counted = in_fleet(admitted, members) | quarantined_now
     cap = breaker_cap(fleet_size, max_share, max_nodes)
     for node in nodes:
         if state.get("tripped"):
@@ -93,7 +106,7 @@ def decide_admissions(
             state["reason"] = (
                 f"quarantining {node} would put {len(counted) + 1} of {fleet} GPU nodes "
                 f"({(len(counted) + 1) / fleet:.0%}) in quarantine ({len(quarantined_now)} quarantined now, "
-                f"{len(admitted)} admitted within {window:g}s); {limit}"
+                f"{len(in_fleet(admitted, members))} admitted within {window:g}s); {limit}"
             )
             state["tripped_by"] = node
             out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
@@ -160,6 +173,7 @@ def settle(
     now: float,
     ttl: float,
     quarantined_now: frozenset[str] = frozenset(),
+    members: Collection[str] | None = None,
     max_nodes: int = 0,
 ) -> Settlement:
     """One replica's read-modify-write of the breaker: its admissions from its block, a batch, its new block. Pure.
@@ -182,11 +196,10 @@ def settle(
         admitted[node] = max(float(at), float(admitted.get(node, at)))
     state["admitted"] = admitted
     held = sum(int(r["n"]) for r in reserved.values())
-    decisions = decide_admissions(
-        state, nodes, fleet_size, max_share, window, now, quarantined_now, held + keep, max_nodes
-    )
+    decisions = decide_admissions(state, nodes, fleet_size, max_share, window, now, quarantined_now, held + keep,
+                                  members, max_nodes)
     tripped = bool(state.get("tripped"))
-    counted = len(state["admitted"].keys() | quarantined_now)
+    counted = len(in_fleet(state["admitted"], members) | quarantined_now)
     free = breaker_cap(fleet_size, max_share, max_nodes) - counted - held - keep
     others_wait = any(h != holder and now - float(at) <= ttl for h, at in (state.get(WAITING_KEY) or {}).items())
     # An even share of what is not counted yet among the holders (at least two: an actuator runs with a

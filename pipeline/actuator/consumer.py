@@ -186,6 +186,7 @@ class ActuatorConsumer:
         self._live: Component | None = None
 
     async def start(self) -> None:
+        self.verifier.say_if_unchecked()  # here, where requests are read: `xidflow reset` builds a consumer too
         # Clients are made here, not in __init__: aiokafka binds them to the running loop.
         self.consumer = kafka_clients.consumer(
             bootstrap=self.bootstrap_servers,

@@ -3,6 +3,13 @@
 DRA drivers publish their devices in ResourceSlices with the standard attribute
 ``resource.kubernetes.io/pciBusID``. Per-GPU quarantine (``taintDevice``) selects the faulty device by
 it, and ``notifyWorkload`` matches pods' claim allocations to it; both ask ``find_devices``.
+
+MIG: a MIG device of a GPU carries its GPU's PCI address, so every device at the address is the whole GPU
+(the full GPU and its MIG devices). When the fault names a MIG GPU instance (``GPU-I:<n>`` in the Xid),
+``mig_devices`` picks the device that publishes that instance in an integer attribute ``gpuInstanceId`` (in any
+domain). NVIDIA's DRA driver (k8s-dra-driver-gpu) does not: it names MIG devices by parent, profile and placement
+(``gpu-0-mig-1g10gb-19-0``) and says in its source that the GPU instance id has no guaranteed relation to
+them; with it, the whole GPU is what can be named.
 """
 
 from __future__ import annotations
@@ -18,6 +25,9 @@ SLICE_VERSION = "v1"
 SLICES = "resourceslices"
 PCI_ATTRIBUTE = "resource.kubernetes.io/pciBusID"
 """The standard device attribute DRA drivers publish the PCI address under (``dddd:bb:dd.f``)."""
+GPU_INSTANCE_ATTRIBUTE = "gpuInstanceId"
+"""The integer attribute (any domain: ``<driver domain>/gpuInstanceId`` or unqualified) naming the MIG GPU instance
+a device is; what lets a MIG fault's quarantine name one MIG device instead of the whole GPU."""
 
 _BDF = re.compile(r"^(?:pci:)?([0-9a-f]{1,8}):([0-9a-f]{1,2}):([0-9a-f]{1,2})(?:\.([0-7]))?$")
 
@@ -59,6 +69,18 @@ def _text(attr: Any) -> str | None:
     return attr if isinstance(attr, str) else None
 
 
+def _int(attr: Any) -> int | None:
+    value = attr.get("int") if isinstance(attr, Mapping) else attr
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _gpu_instance(attributes: Mapping[str, Any]) -> int | None:
+    for name, attr in attributes.items():
+        if name == GPU_INSTANCE_ATTRIBUTE or str(name).endswith(f"/{GPU_INSTANCE_ATTRIBUTE}"):
+            return _int(attr)
+    return None
+
+
 def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRef]:
     """Devices of the node's ResourceSlices whose ``resource.kubernetes.io/pciBusID`` is ``pci``.
 
@@ -66,6 +88,16 @@ def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRe
     older slices are stale until it deletes them). Several devices may share one GPU's address (MIG or
     partitions): all of them are returned.
     """
+    return sorted({ref for ref, _ in _devices_at(slices, pci)})
+
+
+def mig_devices(slices: Iterable[Mapping[str, Any]], pci: str, gpu_instance: int) -> list[DeviceRef]:
+    """The devices at ``pci`` that publish ``gpuInstanceId`` = ``gpu_instance`` (none when the driver publishes no
+    GPU instance: then only the whole GPU, ``find_devices``, can be named)."""
+    return sorted({ref for ref, attributes in _devices_at(slices, pci) if _gpu_instance(attributes) == gpu_instance})
+
+
+def _devices_at(slices: Iterable[Mapping[str, Any]], pci: str) -> list[tuple[DeviceRef, Mapping[str, Any]]]:
     wanted = normalise_bdf(pci)
     newest: dict[tuple[str, str], int] = {}
     parsed: list[tuple[str, str, int, list[Mapping[str, Any]]]] = []
@@ -75,12 +107,13 @@ def find_devices(slices: Iterable[Mapping[str, Any]], pci: str) -> list[DeviceRe
         driver, name, gen = str(spec.get("driver", "")), str(pool.get("name", "")), int(pool.get("generation", 0))
         parsed.append((driver, name, gen, spec.get("devices") or []))
         newest[(driver, name)] = max(gen, newest.get((driver, name), gen))
-    found: set[DeviceRef] = set()
+    found: list[tuple[DeviceRef, Mapping[str, Any]]] = []
     for driver, pool, gen, devices in parsed:
         if wanted is None or gen != newest[(driver, pool)]:
             continue
         for device in devices:
-            address = _text(_attributes(device).get(PCI_ATTRIBUTE))
+            attributes = _attributes(device)
+            address = _text(attributes.get(PCI_ATTRIBUTE))
             if address and normalise_bdf(address) == wanted:
-                found.add(DeviceRef(driver, pool, str(device.get("name", ""))))
-    return sorted(found)
+                found.append((DeviceRef(driver, pool, str(device.get("name", ""))), attributes))
+    return found

@@ -29,7 +29,7 @@ from pipeline.actuator.actions import condition as condition_action
 from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.budgets import RepairBudgets
 from pipeline.actuator.effects import NodeChange
-from pipeline.actuator.kube import Kube, KubeUnavailable
+from pipeline.actuator.kube import Kube, KubeUnavailable, unreachable
 from pipeline.actuator.nodestate import NodeWriter
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger
@@ -414,7 +414,8 @@ class LiveEffector:
                 if step.action.uses_repair_budget and self.budgets is not None and ctx.budgeted:
                     await self.budgets.renew(node, self.worker)
             except Exception as exc:  # noqa: BLE001 - keep trying: the lease outlives a few failed renewals
-                log.warning("renewing the lease of %s %s on %s failed: %s", step.key, flow, node, exc)
+                if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
+                    log.warning("renewing the lease of %s %s on %s failed: %s", step.key, flow, node, exc)
                 continue
             if verdict == "cancelled":
                 ctx.cancelled.set()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import json
 import random
 import time
 from collections.abc import Mapping
@@ -157,7 +158,23 @@ async def create_node_event(
 
 
 # -- reboot and GPU reset hooks ------------------------------------------------------------------------------
-DEFAULT_REBOOT_JOB = """
+# The documented hooks: each image pinned by digest (the tag is only for people), each command fixed. The
+# admission policies of deploy/rbac/hook-jobs-admission.yaml (and the chart's, from actuator.hookJobs.allowed)
+# admit a Job of the actuator only with one of these (image, command) pairs; tests/unit/test_rbac_agreement.py
+# keeps them equal. The digests are those the public tags had when they were written here (the build machine
+# reaches no container registry): an operator who mirrors the images pins the mirror's digests in both places.
+REBOOT_IMAGE = "busybox:1.36@sha256:73aaf090f3d85aa34ee199857f03fa3a95c8ede2ffd4cc2cdb5b94e566b11662"
+REBOOT_COMMAND = ("nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--", "systemctl", "reboot")
+RESET_IMAGE = (
+    "nvidia/cuda:12.4.1-base-ubuntu22.04@sha256:0f6bfcbf267e65123bcc2287e2153dedfc0f24772fb5ce84afe16ac4b2fada95"
+)
+RESET_COMMAND = ("nvidia-smi", "--gpu-reset")
+DOCUMENTED_HOOKS = ((REBOOT_IMAGE, REBOOT_COMMAND), (RESET_IMAGE, RESET_COMMAND))
+"""(image, command) of every hook Job xidflow ships: what the admission policy admits by default."""
+
+
+def _hook_job(container: str, image: str, command: tuple[str, ...]) -> str:
+    return f"""
 apiVersion: batch/v1
 kind: Job
 spec:
@@ -167,31 +184,17 @@ spec:
     spec:
       restartPolicy: Never
       hostPID: true
-      tolerations: [{operator: Exists}]
+      tolerations: [{{operator: Exists}}]
       containers:
-      - name: reboot
-        image: busybox:1.36
-        command: ["nsenter", "-t", "1", "-m", "-u", "-i", "-n", "-p", "--", "systemctl", "reboot"]
-        securityContext: {privileged: true}
+      - name: {container}
+        image: {image}
+        command: {json.dumps(list(command))}
+        securityContext: {{privileged: true}}
 """
 
-DEFAULT_RESET_JOB = """
-apiVersion: batch/v1
-kind: Job
-spec:
-  backoffLimit: 0
-  ttlSecondsAfterFinished: 3600
-  template:
-    spec:
-      restartPolicy: Never
-      hostPID: true
-      tolerations: [{operator: Exists}]
-      containers:
-      - name: gpu-reset
-        image: nvcr.io/nvidia/cuda:12.4.1-base-ubuntu22.04
-        command: ["nvidia-smi", "--gpu-reset"]
-        securityContext: {privileged: true}
-"""
+
+DEFAULT_REBOOT_JOB = _hook_job("reboot", REBOOT_IMAGE, REBOOT_COMMAND)
+DEFAULT_RESET_JOB = _hook_job("gpu-reset", RESET_IMAGE, RESET_COMMAND)
 
 
 def render_job(template: Mapping[str, Any] | str, name: str, namespace: str, node: str, labels: dict[str, str]) -> dict:

@@ -26,7 +26,7 @@ from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.budgets import RepairBudgets
 from pipeline.actuator.effector import DryRunEffector, Effector, FlowContext, LiveEffector
 from pipeline.actuator.effects import NodeChange
-from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound
+from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound, unreachable
 from pipeline.actuator.nodestate import NodeWriter
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger, request_flow_key
@@ -147,7 +147,8 @@ class Engine:
                     # Unreachable, 5xx, RBAC not (yet) granted, our namespace missing: an operator or time
                     # fixes these. Every effect is idempotent, so replaying the whole record later is safe.
                     self.kube.quarantining(False)  # backing off: hold no other call up meanwhile
-                    log.warning("%s; retrying %s for %s in %.1fs", exc, record.type, node, delay)
+                    if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
+                        log.warning("%s; retrying %s for %s in %.1fs", exc, record.type, node, delay)
                     await asyncio.sleep(delay * random.uniform(0.8, 1.2))
                     delay = min(delay * 2, self.settings.retry_max_seconds)
                 except Invalid as exc:

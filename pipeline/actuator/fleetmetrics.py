@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,17 +28,32 @@ from pipeline.actuator import actions
 from pipeline.actuator.actions.base import Kind
 from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
 from pipeline.actuator.breaker import Breaker
-from pipeline.actuator.breaker_rules import admitted_within, quarantined_by_xidflow
+from pipeline.actuator.breaker_rules import admitted_within, in_fleet, quarantined_by_xidflow
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
+from pipeline.actuator.kube import unreachable
 from pipeline.actuator.nodeview import NodeView
 from pipeline.runtime import metrics
 from schemas.records import Outcome
 
 log = logging.getLogger("xidflow.actuator.metrics")
 
-AUDIT_ACTIONS = ("decide", "resume", "undo", "cancel", "breaker-trip", "rescue-request", "api-idempotency-conflict")
-"""Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``)."""
+AUDIT_ACTIONS: dict[str, str] = {
+    "decide": "The plan chosen for an incident or a rescue request (details: `rule`, `steps`), or why nothing is "
+    "done (outcome `skipped`: opt-out, manual-only mode, cancelled, blamed on a shared part).",
+    "resume": "A replica took over an open flow from the node's ledger (details as `decide`).",
+    "undo": "A recovery (NodeRecovered, `xidflow reset`) removed what the flow applied (details: what was removed).",
+    "cancel": "A person's uncordon ended the flows that owned the cordon (no re-cordon, no drain or reboot after it).",
+    "breaker-trip": "The circuit breaker tripped: the reason names the share and the limit.",
+    "rescue-request": "A rescue request refused for its signature (outcome `skipped`, details `refused`).",
+    "api-idempotency-conflict": "The decision API refused an Idempotency-Key reused with a different body (409).",
+    "sharedPart": "The shared-part rule blamed a part (a switch, a rack): the node is `<label>=<value>`, the record's "
+    "`shared_part` says which nodes.",
+}
+"""Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``, ``sharedparts``), with
+what the record says; every step's own name (``cordon``, ``drain``, ``drain#2``, ...) is one too (docs/audit.md).
+Also the closed label set of ``xidflow_remediations_total``."""
+
 
 STEP_ACTIONS: tuple[str, ...] = tuple(n for n in actions.ACTION_NAMES if actions.get(n).kind != Kind.MACRO)
 """Actions a flow step can be (a macro such as ``quarantine`` is expanded when planned)."""
@@ -131,7 +146,7 @@ class FleetFigures:
 
 
 def fleet_figures(
-    views: Iterable[NodeView], now: float, fleet: tuple[int, frozenset[str]] | None = None
+    views: Iterable[NodeView], now: float, fleet: tuple[int, frozenset[str], Collection[str]] | None = None
 ) -> FleetFigures:
     """Quarantined nodes and the oldest open step per action over the fleet. Pure.
 
@@ -157,9 +172,10 @@ def fleet_figures(
 
 
 def breaker_window(state: Mapping[str, Any], quarantined: frozenset[str], fleet: int, window: float,
-                   now: float) -> tuple[int, float]:
-    """Nodes the breaker counts now (quarantined, or admitted within the window) and their share. Pure."""
-    counted = len(admitted_within(state, window, now).keys() | quarantined)
+                   now: float, members: Collection[str] | None = None) -> tuple[int, float]:
+    """Nodes the breaker counts now (quarantined, or admitted within the window and still in the fleet) and their
+    share. Pure."""
+    counted = len(in_fleet(admitted_within(state, window, now), members) | quarantined)
     return counted, counted / max(fleet, 1)
 
 
@@ -183,7 +199,7 @@ class FleetGauges:
 
     def __init__(self, nodes: Callable[[], Mapping[str, NodeView]], breaker: Breaker,
                  interval_s: float | None = None,
-                 fleet: Callable[[], tuple[int, frozenset[str]] | None] | None = None) -> None:
+                 fleet: Callable[[], tuple[int, frozenset[str], Collection[str]] | None] | None = None) -> None:
         self.nodes, self.breaker, self.fleet = nodes, breaker, fleet
         self.interval_s = interval_s if interval_s is not None else metrics.refresh_interval_s()
         self._task: asyncio.Task[None] | None = None
@@ -191,12 +207,15 @@ class FleetGauges:
 
     async def refresh(self) -> FleetFigures:
         now = time.time()
-        figures = fleet_figures(list(self.nodes().values()), now, self.fleet() if self.fleet else None)
+        views = self.nodes()
+        fleet = self.fleet() if self.fleet else None
+        figures = fleet_figures(list(views.values()), now, fleet)
         publish(figures)
         b = self.breaker
         metrics.BREAKER_MAX_SHARE.set(b.max_share)
         state = await read_json_configmap(b.kube, b.namespace, b.name)
-        counted, share = breaker_window(state, figures.quarantined, figures.gpu_nodes, b.window, now)
+        members = fleet[2] if fleet is not None else views.keys()
+        counted, share = breaker_window(state, figures.quarantined, figures.gpu_nodes, b.window, now, members)
         metrics.BREAKER_WINDOW_NODES.set(counted)
         metrics.BREAKER_WINDOW_SHARE.set(share)
         metrics.BREAKER_OPEN.set(1 if state.get("tripped") else 0)  # tripped by any replica, or before we started
@@ -210,7 +229,7 @@ class FleetGauges:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - metrics never stop the work
-                if not self._failing:
+                if not self._failing and not unreachable(exc):  # an outage is said by reachability.API_SERVER
                     log.warning("fleet gauges not refreshed (%s: %s); retrying", type(exc).__name__, exc)
                 self._failing = True
             await asyncio.sleep(self.interval_s)

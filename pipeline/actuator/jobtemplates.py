@@ -4,23 +4,41 @@ A hook Job runs privileged on a node, so what it runs is the operator's decision
 command and privileges come from the template the operator installed with the actuator
 (``XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE`` / ``..._RESET_JOB_TEMPLATE`` / ``..._DIAGNOSTICS_JOB_TEMPLATE``, else
 the built-in one), never
-from a rescue request or a policy. Before a Job is created xidflow checks that the template cannot
-reach the cluster's credentials: the pod runs as the dedicated hook ServiceAccount
-(``XIDFLOW_ACTUATOR_HOOK_SERVICE_ACCOUNT``, which holds no RBAC) with no API token mounted, and it
-mounts no Secret, projected token or Secret-backed environment. Everything here is pure.
+from a rescue request or a policy. Before a Job is created xidflow checks that it has the hook's shape,
+the same shape the admission policy of ``deploy/rbac/hook-jobs-admission.yaml`` demands of every Job the
+actuator creates (so that the actuator refuses at start what the API server would refuse at the first
+reboot):
+
+- one container, no init or ephemeral containers; its image pinned by digest (``@sha256:`` and 64 hex
+  digits) and its command a list of strings, with nothing that runs or feeds other code: no ``args``,
+  ``workingDir``, ``lifecycle`` hooks, probes, ports, volume mounts or devices, ``envFrom``, and no
+  environment but ``XIDFLOW_GPU_PCI`` with a plain value;
+- no volumes, no host network or IPC (the host's PID namespace is what the hooks enter);
+- run as the dedicated hook ServiceAccount (``XIDFLOW_ACTUATOR_HOOK_SERVICE_ACCOUNT``, which holds no
+  RBAC) without an API token; one pod, never retried (``backoffLimit: 0``: a reboot is not repeated).
+
+The admission policy adds what only the cluster can say: the (image, command) pair is one of the
+documented ones, and the node carries xidflow's taint. Everything here is pure.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 import yaml
 
-ALLOWED_VOLUME_SOURCES = frozenset({"hostPath", "emptyDir", "downwardAPI", "configMap"})
-ALLOWED_ENV_REFS = frozenset({"fieldRef", "resourceFieldRef"})
+HOOK_ENV = frozenset({"XIDFLOW_GPU_PCI"})
+"""Environment variables a hook container may carry (plain values only)."""
+FORBIDDEN_CONTAINER_FIELDS = (
+    "args", "workingDir", "lifecycle", "livenessProbe", "readinessProbe", "startupProbe", "ports",
+    "volumeMounts", "volumeDevices", "envFrom",
+)
+"""Container fields that would run or feed code other than the pinned command (or expose the host)."""
+DIGEST = re.compile(r"@sha256:[0-9a-f]{64}$")
 
 
 class JobTemplateError(ValueError):
@@ -49,15 +67,28 @@ def _check_container(path: str, container: Any) -> None:
     image = container.get("image")
     if not isinstance(image, str) or not image.strip():
         raise JobTemplateError(f"{path}.image: required (the operator fixes the image)")
+    if not DIGEST.search(image):
+        raise JobTemplateError(f"{path}.image: must be pinned by digest (name@sha256:<64 hex digits>), not {image!r}")
     command = container.get("command")
     if not isinstance(command, list) or not command or not all(isinstance(c, str) and c for c in command):
         raise JobTemplateError(f"{path}.command: required list of strings (the operator fixes the command)")
-    if container.get("envFrom"):
-        raise JobTemplateError(f"{path}.envFrom: not allowed (it can expose Secrets)")
+    for name in FORBIDDEN_CONTAINER_FIELDS:
+        if container.get(name):
+            raise JobTemplateError(f"{path}.{name}: not allowed (the hook runs its fixed command and nothing else)")
     for i, env in enumerate(container.get("env") or []):
-        source = (env or {}).get("valueFrom") if isinstance(env, Mapping) else None
-        if source and not set(source) <= ALLOWED_ENV_REFS:
-            raise JobTemplateError(f"{path}.env[{i}].valueFrom: only fieldRef/resourceFieldRef are allowed")
+        if not isinstance(env, Mapping) or env.get("name") not in HOOK_ENV or set(env) - {"name", "value"}:
+            raise JobTemplateError(
+                f"{path}.env[{i}]: only {', '.join(sorted(HOOK_ENV))} with a plain value is allowed"
+            )
+
+
+def _check_job(job: Mapping[str, Any]) -> None:
+    spec = job["spec"]
+    if spec.get("backoffLimit") != 0:
+        raise JobTemplateError("spec.backoffLimit: must be 0 (a hook runs once; a failed reboot is not repeated)")
+    for name in ("parallelism", "completions"):
+        if spec.get(name, 1) != 1:
+            raise JobTemplateError(f"spec.{name}: must be 1 (one pod on the node)")
 
 
 def validate_job_template(job: Mapping[str, Any], hook_service_account: str | None = None) -> None:
@@ -67,22 +98,17 @@ def validate_job_template(job: Mapping[str, Any], hook_service_account: str | No
     if job.get("apiVersion", "batch/v1") != "batch/v1" or job.get("kind", "Job") != "Job":
         raise JobTemplateError("template: must be a batch/v1 Job")
     pod = _pod_spec(job)
+    _check_job(job)
     containers = pod.get("containers")
-    if not isinstance(containers, list) or not containers:
-        raise JobTemplateError("spec.template.spec.containers: at least one container is required")
-    for i, container in enumerate(containers):
-        _check_container(f"spec.template.spec.containers[{i}]", container)
-    for i, container in enumerate(pod.get("initContainers") or []):
-        _check_container(f"spec.template.spec.initContainers[{i}]", container)
-    if pod.get("ephemeralContainers"):
-        raise JobTemplateError("spec.template.spec.ephemeralContainers: not allowed")
-    for i, volume in enumerate(pod.get("volumes") or []):
-        sources = set(volume or {}) - {"name"} if isinstance(volume, Mapping) else {"?"}
-        if not sources <= ALLOWED_VOLUME_SOURCES:
-            raise JobTemplateError(
-                f"spec.template.spec.volumes[{i}]: only {', '.join(sorted(ALLOWED_VOLUME_SOURCES))} volumes are "
-                "allowed (no Secret or projected service-account token)"
-            )
+    if not isinstance(containers, list) or len(containers) != 1:
+        raise JobTemplateError("spec.template.spec.containers: exactly one container (the hook's)")
+    _check_container("spec.template.spec.containers[0]", containers[0])
+    for name in ("initContainers", "ephemeralContainers", "volumes"):
+        if pod.get(name):
+            raise JobTemplateError(f"spec.template.spec.{name}: not allowed")
+    for name in ("hostNetwork", "hostIPC"):
+        if pod.get(name):
+            raise JobTemplateError(f"spec.template.spec.{name}: not allowed (the hooks need the host's PIDs only)")
     if pod.get("automountServiceAccountToken") is True:
         raise JobTemplateError("spec.template.spec.automountServiceAccountToken: must not be true")
     for key in ("serviceAccountName", "serviceAccount"):

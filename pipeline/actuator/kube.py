@@ -34,6 +34,7 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from pipeline.actuator.kube_http import HttpCalls, auth_headers
+from pipeline.runtime.reachability import API_SERVER, carries, route
 
 T = TypeVar("T")
 
@@ -75,6 +76,33 @@ class Invalid(KubeError):
 
 class KubeUnavailable(Exception):
     """The API server could not be reached or answered 5xx: retry later, skip nothing."""
+
+    unreachable: bool = False
+    """Not reached at all (a transport error): counted by ``reachability.API_SERVER``, which logs the outage."""
+
+
+TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (
+    urllib3.exceptions.HTTPError, aiohttp.ClientError, TimeoutError, OSError,
+)
+"""What the clients raise when the API server is not reached (no answer at all)."""
+
+
+def _not_reached(exc: BaseException) -> KubeUnavailable:
+    """The call's error, counted by ``API_SERVER`` (which says when the API server is lost and back)."""
+    API_SERVER.failed(f"{type(exc).__name__}: {exc}")
+    error = KubeUnavailable(f"{type(exc).__name__}: {exc}")
+    error.unreachable = True
+    return error
+
+
+def unreachable(exc: BaseException) -> bool:
+    """Whether ``exc`` says the API server was not reached: its outage is logged by ``API_SERVER``, not per call."""
+    return isinstance(exc, TRANSPORT_ERRORS) or getattr(exc, "unreachable", False)
+
+
+# urllib3 warns of every retry of the official client's calls ("Retrying (...) after connection broken"): they are
+# the API server's failed attempts.
+route(("urllib3",), API_SERVER, lambda record: carries(record, TRANSPORT_ERRORS))
 
 
 def _map_error(exc: ApiException) -> Exception:
@@ -419,11 +447,14 @@ class Kube:
             else:
                 resp = await self._on_thread(loop, fn, call)
         except ApiException as exc:
+            if exc.status:
+                API_SERVER.reachable()  # it answered
             raise _map_error(exc) from None
-        except (urllib3.exceptions.HTTPError, aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise KubeUnavailable(f"{type(exc).__name__}: {exc}") from None
+        except TRANSPORT_ERRORS as exc:
+            raise _not_reached(exc) from None
         finally:
             self._limiter.release(reserved)
+        API_SERVER.reachable()
         data = resp.data
         return orjson.loads(data) if data else None
 
@@ -652,8 +683,9 @@ class Kube:
             response = await loop.run_in_executor(None, opener)
         except ApiException as exc:
             raise _map_error(exc) from None
-        except (urllib3.exceptions.HTTPError, OSError) as exc:
-            raise KubeUnavailable(str(exc)) from None
+        except TRANSPORT_ERRORS as exc:
+            raise _not_reached(exc) from None
+        API_SERVER.reachable()
         queue: asyncio.Queue[dict[str, Any] | BaseException | None] = asyncio.Queue()
 
         def hand_over(item: dict[str, Any] | BaseException | None) -> None:

@@ -19,8 +19,9 @@ What no program here does is what the machine itself does, and that is simulated
   diagnostics program passes or fails with a result (``finish_diagnostics``); KWOK ends their pods as the
   kubelet would and the Job controller gives the Jobs their conditions.
 
-A node created with ``managed=False`` carries no KWOK label: no kubelet answers for it, so it goes
-NotReady as on a cluster (a test does that only to watch the lifecycle controller, and says so).
+A node created with ``managed=False`` carries no KWOK label: no kubelet answers for it, so the node
+lifecycle controller marks it ``Unknown`` after its startup grace, as on a cluster. The tests here need
+none: a node that goes silent is a KWOK node whose machine stopped (``stop_heartbeats``).
 """
 
 from __future__ import annotations

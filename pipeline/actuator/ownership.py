@@ -25,6 +25,10 @@ to the end from here, without its record (level-triggered). A claim is a lease: 
 ``owned`` is what undo may remove: an effect xidflow found already in place (a human's cordon) is
 never recorded there, so it is never undone.
 
+Every field is a contract (tools and people read the annotation): ``LEDGER_FIELDS``, ``OWNED_KEYS`` and
+``FLOW_FIELDS`` say what each means, ``docs/node-ledger.md`` is generated from them
+(``pipeline.runtime.contractdocs``), and ``set_flow_value`` refuses a field they do not name.
+
 ``repairs`` holds one repair case per fault class (``GpuFellOffBus``, ``GpuEcc``, ...) for rules with a
 ``repair`` block: the faults, the repairs tried, the diagnostics run, the hand-off, and where the node is
 in the loop (``pipeline.actuator.repaircase``, documented in docs/repair.md).
@@ -46,9 +50,70 @@ STANDBY_FOR_ANNOTATION = "xidflow.dev/standby-for"
 
 CORDON = "cordon"
 
+LEDGER_FIELDS: dict[str, str] = {
+    "v": "Format version: 1.",
+    "owned": "Effect key (`OWNED_KEYS`) -> the flows that need it, oldest first. What undo may remove: an effect "
+    "xidflow found in place (a person's cordon) is never here.",
+    "flows": "Flow key (an incident id, `req:<request id>` for a rescue request, `<case>-<n>` and `<incident>-rev<n>` "
+    "for a repair case's own flows) -> its entry (`FLOW_FIELDS`). "
+    "At most `XIDFLOW_ACTUATOR_LEDGER_MAX_FLOWS` (20); the oldest finished flows that own nothing are forgotten.",
+    "attempts": "When each disruptive flow (drain, reboot, resetGpu) started (epoch seconds), within the attempt "
+    "window: the attempt cap counts them.",
+    "repairs": "Fault class (`GpuFellOffBus`, `GpuEcc`, ...) -> its repair case, for rules with the repair loop: the "
+    "faults, the repairs tried, the diagnostics run, the hand-off and where the node is in the loop "
+    "(docs/repair.md). Absent on nodes without a case.",
+}
+"""The ledger's top-level fields."""
+
+OWNED_KEYS: dict[str, str] = {
+    "cordon": "The node's cordon (`spec.unschedulable`).",
+    "taint:<key>:<effect>": "A node taint, by key and effect (its value may change between incidents).",
+    "condition:<type>": "A node condition xidflow set `True` (its own types: GpuXid, GpuEcc, ...).",
+    "condition:<type>=<status>": "A condition a policy set to another status (`AcceleratedHardwareReady=False`); "
+    "undo puts back the opposite, only while it still says what xidflow wrote.",
+    "devicetaintrule:<name>": "A DeviceTaintRule xidflow created for one GPU (taintDevice); undo deletes it.",
+}
+"""The forms of an ``owned`` key."""
+
+FLOW_FIELDS: dict[str, str] = {
+    "at": "When the flow was first recorded (epoch seconds).",
+    "done": "Step key (`drain`, `reboot`, `taint#2`, ...) -> when the step finished (epoch seconds).",
+    "claims": "Step key -> `{by: <worker id>, at: <epoch>}`: the lease of a long step (drain, reboot, resetGpu, "
+    "enableWarmStandby). Its holder renews `at` every third of `XIDFLOW_ACTUATOR_CLAIM_TIMEOUT_SECONDS`; a claim "
+    "not renewed for that long is retaken by the replica that owns the node.",
+    "cancelled": "Why the flow was ended by a person's act (`manual-uncordon`, ...), else null.",
+    "plan": "While the flow is open: `{rec: <the NodeIncident or rescue request>, rule: <policy rule>, esc: "
+    "<escalated to CONTACT_SUPPORT>, steps: [<policy action>, ...]}`. Any replica drives the flow to its end from it.",
+    "rev": "Revision of the incident the plan was made from (an escalation replaces the plan).",
+    "fin": "When the flow ended (epoch seconds): every step ran, or one stopped it. The plan is dropped then.",
+    "status": "How the flow ended: `done`, why a step stopped it (`failed`, `cancelled`, ...), or `shared-part` (the "
+    "shared-part rule took the node over).",
+    "log": "Step key -> `{by: <worker id>, at: <epoch>, outcome: <audit outcome>, reason: <text>, details: "
+    "{...}}`: who applied the step and with what result (the audit record's, lists cut to a few items), so "
+    "the audit stays complete when the replica that applied it dies.",
+    "boot_id_before": "reboot: the node's bootID when the reboot was claimed; the step waits for another one "
+    "(a replica that resumes it waits for the same reboot instead of asking for a second).",
+    "hook_taint": "reboot (Job hook) and resetGpu: true when the step put xidflow's taint on the node itself (the "
+    "hook-jobs admission policy admits a Job only on a node carrying it); `uncordonAfter` removes it again.",
+    "standby": "enableWarmStandby: the standby node made schedulable for this flow.",
+    "part": "The shared part (`<label>=<value>`) this node's flow blames (the shared-part rule).",
+    "recovered": "Why the flow was undone (the NodeRecovered reason, or `manual` for `xidflow reset`).",
+}
+"""Every field of a flow entry (``flows.<flow key>``)."""
+
+FLOW_FIELD_PREFIXES: dict[str, str] = {
+    "checkpoint:<step key>": "drain with `checkpointGrace`: `{at: <epoch>, until: <epoch>}`, when the GPU pods "
+    "were asked for a checkpoint and the deadline after which each is evicted anyway. Recorded before any pod "
+    "is asked, so a replica that takes the drain over keeps the same deadline.",
+}
+"""Flow fields named after a step (the part before ``<`` is the prefix)."""
+
 SHARED_PART_TAINT_PREFIX = "xidflow.dev/shared-"
 """Taint keys of the shared-part rule (``pipeline.actuator.sharedparts``): the part is blamed, not the node,
 so the circuit breaker does not count a node for carrying one."""
+
+
+_FLOW_PREFIXES = tuple(key.split("<", 1)[0] for key in FLOW_FIELD_PREFIXES)
 
 
 def is_shared_part_effect(effect: str) -> bool:
@@ -147,6 +212,9 @@ class Ledger:
         self.flow(flow_key, now)["cancelled"] = reason
 
     def set_flow_value(self, flow_key: str, name: str, value: Any, now: float) -> None:
+        """Record one of ``FLOW_FIELDS`` (or a ``FLOW_FIELD_PREFIXES`` one): an undocumented field is refused."""
+        if name not in FLOW_FIELDS and not name.startswith(_FLOW_PREFIXES):
+            raise ValueError(f"ledger field {name!r} is not in ownership.FLOW_FIELDS (docs/node-ledger.md)")
         self.flow(flow_key, now)[name] = value
 
     def flow_value(self, flow_key: str, name: str) -> Any:

@@ -503,4 +503,23 @@ def load_yaml_text(text: str) -> PolicySet:
 
 
 def load_yaml_file(path: str | Path) -> PolicySet:
-    return load_yaml_text(Path(path).read_text(encoding="utf-8"))
+    """The policies of a file; :class:`PolicyError` names what is wrong (the caller names the file).
+
+    A file that holds no document at all is refused: it is a mistake (a truncated mount, the wrong path), and
+    taken as "no policies" it silently left the built-in rule alone in force. Without a policy file the
+    built-in rule is what applies; say so by not setting one.
+    """
+    try:
+        text = Path(path).read_text(encoding="utf-8")  # OSError: the caller says it cannot read the file
+    except UnicodeDecodeError as exc:
+        raise PolicyError(f"not UTF-8 text (byte {exc.start} cannot be decoded)") from None
+    try:
+        documents = [d for d in yaml.safe_load_all(text) if d is not None]
+    except yaml.YAMLError as exc:
+        raise PolicyError(f"yaml: {exc}") from None
+    if not documents:
+        raise PolicyError(
+            "holds no RescuePolicy or WarmStandbyPolicy document; to run with the built-in rule alone, set no "
+            "policy file"
+        )
+    return load_yaml_text(text)

@@ -24,7 +24,7 @@ from typing import Any
 import orjson
 
 from pipeline.actuator.effects import EVENT_NAMESPACE, create_event_once
-from pipeline.actuator.kube import Forbidden, Kube, KubeError, KubeUnavailable, NotFound
+from pipeline.actuator.kube import Forbidden, Kube, KubeError, KubeUnavailable, NotFound, unreachable
 from pipeline.actuator.policy import (
     API_GROUP,
     API_VERSION,
@@ -167,8 +167,9 @@ class PolicyStore:
                 await self.refresh()
                 if self._watch_wanted:
                     self.start_watching()  # the CRDs were installed since the start (policySource: auto)
-            except Exception:  # keep acting on the last good policies
-                log.exception("policy refresh failed; keeping the previous policies")
+            except Exception as exc:  # keep acting on the last good policies
+                if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
+                    log.exception("policy refresh failed; keeping the previous policies")
                 self._loaded_at = time.monotonic()
         return self.current
 
@@ -328,7 +329,8 @@ class PolicyStore:
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep the policies in force and try again
-                log.warning("watching %s failed (%s); listing again in %.1fs", plural, exc, backoff)
+                if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
+                    log.warning("watching %s failed (%s); listing again in %.1fs", plural, exc, backoff)
                 self._versions[plural] = None
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 30.0)

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,9 +33,10 @@ from pipeline.actuator import repaircase
 from pipeline.actuator.baseline_conditions import BaselineConditions
 from pipeline.actuator.breaker_rules import quarantined_by_xidflow
 from pipeline.actuator.engine import Engine
-from pipeline.actuator.kube import Kube
+from pipeline.actuator.kube import Kube, unreachable
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger
+from pipeline.runtime.reachability import API_SERVER
 from pipeline.runtime.startmarks import mark
 
 log = logging.getLogger("xidflow.actuator.reconciler")
@@ -90,6 +91,7 @@ class NodeWatch:
         while not self._stop.is_set():
             try:
                 page = nodes((5, 60), label_selector=self.selector)
+                API_SERVER.reachable()
                 try:
                     listed = orjson.loads(page.data)
                 finally:
@@ -121,7 +123,10 @@ class NodeWatch:
             except _Expired as exc:
                 log.info("node watch expired (%s); listing again", exc)
             except Exception as exc:  # noqa: BLE001 - the watch must outlive API server restarts
-                log.warning("node watch failed: %s; listing again shortly", exc)
+                if unreachable(exc):  # the outage is logged as such (reachability.API_SERVER), not each retry
+                    API_SERVER.failed(f"node watch: {type(exc).__name__}: {exc}")
+                else:
+                    log.warning("node watch failed: %s; listing again shortly", exc)
                 self._stop.wait(1.0)
 
 
@@ -238,9 +243,10 @@ class Reconciler:
         if seen.attention:
             self._consider(name)
 
-    def fleet_snapshot(self) -> tuple[int, frozenset[str]] | None:
-        """(GPU nodes, those xidflow quarantined) from the watch; None before the first list (the breaker's cache)."""
-        return (len(self.nodes), frozenset(self.quarantined)) if self.synced else None
+    def fleet_snapshot(self) -> tuple[int, frozenset[str], Collection[str]] | None:
+        """(GPU nodes, those xidflow quarantined, their names: a live view) from the watch; None before the first
+        list (the breaker's cache)."""
+        return (len(self.nodes), frozenset(self.quarantined), self.nodes.keys()) if self.synced else None
 
     def look_at(self, node: str) -> None:
         """Something outside the Node changed for it (a RepairRequest's answer): look at it now, when ours."""
@@ -297,7 +303,8 @@ class Reconciler:
         try:
             await self.engine.notice(view)
         except Exception as exc:  # noqa: BLE001 - the next event or resync tries again
-            log.warning("manual uncordon of %s not recorded yet: %s", view.name, exc)
+            if not unreachable(exc):
+                log.warning("manual uncordon of %s not recorded yet: %s", view.name, exc)
 
     async def _drive(self, name: str) -> None:
         try:
@@ -306,7 +313,8 @@ class Reconciler:
                 try:
                     retry_at = await self.engine.resume(name)
                 except Exception as exc:  # noqa: BLE001 - looked at again on the next event or resync
-                    log.warning("resuming the flows of %s failed: %s", name, exc)
+                    if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
+                        log.warning("resuming the flows of %s failed: %s", name, exc)
                     retry_at = time.time() + 1
                 self.resumed += 1
                 if retry_at is not None:

@@ -14,6 +14,7 @@ fields on read so that old actuators keep reading newer requests.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -70,9 +71,19 @@ def parse_escalate_time(value: Any) -> datetime:
         offset = "+00:00" if match["offset"] in ("Z", "z") else match["offset"]
         text = f"{match['date']}T{match['h']}:{match['m']}:{seconds}{match['frac'] or ''}{offset}"
         try:
-            return datetime.fromisoformat(text).astimezone(UTC)
-        except (ValueError, OverflowError):
-            pass  # not a real instant (month 13, Feb 30, offset 25:00), or outside year 1..9999 in UTC
+            local = datetime.fromisoformat(text)
+        except ValueError:
+            local = None  # not a real date-time (month 13, Feb 30, offset 25:00)
+        if local is not None:
+            try:
+                return local.astimezone(UTC)
+            except (ValueError, OverflowError):
+                # A real date-time whose instant falls outside the years 1 to 9999 in UTC (0001-01-01T00:30+01:00):
+                # no datetime holds it. JSON Schema's date-time allows it; the documented range does not.
+                raise PydanticCustomError(
+                    "escalate_time", "must be an instant within the years 1 to 9999 in UTC ({value} is outside)",
+                    {"value": value},
+                ) from None
     raise PydanticCustomError(
         "escalate_time", "must be an RFC 3339 date-time with an offset (2024-07-04T11:09:40Z) or Unix seconds"
     )
@@ -94,7 +105,8 @@ EscalateTime = Annotated[
     BeforeValidator(parse_escalate_time),
     WithJsonSchema(
         {
-            "description": "When the third party escalated the fault: RFC 3339 date-time with an offset, "
+            "description": "When the third party escalated the fault: RFC 3339 date-time with an offset whose "
+            "instant lies within the years 1 to 9999 in UTC (0001-01-01T00:00:00Z to 9999-12-31T23:59:59.999999Z), "
             "or Unix seconds",
             "oneOf": [
                 {"type": "string", "format": "date-time"},
@@ -145,6 +157,32 @@ class ParameterError:
     message: str
 
 
+class _RepeatedKey(ValueError):
+    pass
+
+
+def _refuse_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    seen: set[str] = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise _RepeatedKey(key)
+        seen.add(key)
+    return dict(pairs)
+
+
+def repeated_key(body: bytes | str) -> str | None:
+    """A key that appears twice in one object of the JSON ``body``, or None (also when it is no JSON at all:
+    the model's validation then says why). JSON leaves which of two values counts to the reader, and readers
+    differ (ours took the last): such a body is refused rather than read one way here and another elsewhere."""
+    try:
+        json.loads(body, object_pairs_hook=_refuse_repeats)
+    except _RepeatedKey as exc:
+        return str(exc.args[0])
+    except (ValueError, RecursionError):
+        return None
+    return None
+
+
 def rescue_request_id(
     body: RescueActionBody, *, received_at: datetime, requested_by: str, idempotency_key: str | None
 ) -> str:
@@ -168,6 +206,10 @@ def parse_rescue_request(
         return ParameterError(
             f"Parameter error: Idempotency-Key header must be 1 to {MAX_IDEMPOTENCY_KEY_LENGTH} "
             "printable ASCII characters without spaces"
+        )
+    if (key := repeated_key(body)) is not None:
+        return ParameterError(
+            f"Parameter error: body has the key {key[:100]!r} twice in one object; send each key once"
         )
     try:
         wire = RescueActionBody.model_validate_json(body)

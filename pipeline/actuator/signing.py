@@ -103,10 +103,12 @@ class Verifier:
 
     @classmethod
     def from_settings(cls, settings: SigningSettings | None = None) -> Verifier:
-        v = cls((settings or SigningSettings()).keys())
-        if not v.keys:
+        return cls((settings or SigningSettings()).keys())
+
+    def say_if_unchecked(self) -> None:
+        """Warn that requests go unchecked: once, by what reads them (not by a tool that never does)."""
+        if not self.keys:
             log.warning("XIDFLOW_SIGNING_KEY_FILE is not set: rescue requests are NOT checked for proof of origin")
-        return v
 
     def check(self, record_key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] | None) -> str | None:
         return verify(self.keys, record_key, value, headers) if self.keys else None

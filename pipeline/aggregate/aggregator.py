@@ -68,6 +68,8 @@ def event_signature(event: FaultEvent) -> str:
     if event.kind is FaultKind.GPU_FALLEN_OFF_BUS:
         return f"gpu_fallen_off_bus:{where}"
     code = "-" if event.code is None else event.code
+    if event.gpu_instance is not None:  # a MIG instance's faults are that instance's incident
+        where = f"{where}/gi{event.gpu_instance}"
     return f"{event.kind.value}:{code}:{where}"
 
 
@@ -79,6 +81,21 @@ def group_key(event: FaultEvent, catalog: Catalog | None = None) -> str:
     ):
         return f"gpu_lost:{event.pci or event.gpu_uuid or '-'}"
     return event_signature(event)
+
+
+def _new_reports(inc: OpenIncident, event: FaultEvent) -> int:
+    """How much ``event`` adds to the incident's count. Pure but for ``inc.reports``.
+
+    An SXid is reported twice, by the NVSwitch driver's kernel line and by Fabric Manager's log, seconds apart
+    and in either order (both reach the node's partition of the kernel topic): one fault, one incident (same
+    signature), counted once. The incident counts each reporter's reports and its count grows with the larger
+    of them, so a storm of N errors that both print counts N, and a fault only one of them printed still counts.
+    """
+    if event.reporter is None:
+        return 1
+    before = max(inc.reports.values(), default=0)
+    inc.reports[event.reporter.value] = inc.reports.get(event.reporter.value, 0) + 1
+    return max(inc.reports.values()) - before
 
 
 UNADDRESSED_LOST = "gpu_lost:-"
@@ -262,7 +279,9 @@ class Aggregator:
             if event.action is Action.IGNORE and escalation is None:
                 return []  # nothing to do and no one to tell: no incident, nothing on the node
             return self._open(state, event, group, sig, ts, now, escalation)
-        inc.count += 1
+        inc.count += _new_reports(inc, event)
+        if event.reporter is not None and inc.reports.get(event.reporter.value) == 1:
+            self._add_evidence(inc, event.id, None)  # the other reporter's first report of this fault
         if ts > inc.last_seen:
             inc.last_seen = ts
         inc.last_seen_wall = now
@@ -322,6 +341,9 @@ class Aggregator:
             code=event.code,
             pci=event.pci,
             gpu_uuid=event.gpu_uuid,
+            gpu_instance=event.gpu_instance,
+            compute_instance=event.compute_instance,
+            reports={event.reporter.value: 1} if event.reporter else {},
             first_seen=ts,
             last_seen=ts,
             last_seen_wall=now,
@@ -380,6 +402,8 @@ class Aggregator:
             code=inc.code,
             pci=inc.pci,
             gpu_uuid=inc.gpu_uuid,
+            gpu_instance=inc.gpu_instance,
+            compute_instance=inc.compute_instance,
             count=inc.count,
             first_seen=utc(inc.first_seen),
             last_seen=utc(inc.last_seen),

@@ -31,6 +31,11 @@ class OpenIncident(BaseModel):
     code: int | None = None
     pci: str | None = None
     gpu_uuid: str | None = None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
+    reports: dict[str, int] = Field(
+        default_factory=dict, description="SXid: reports counted per reporter (driver, fabric_manager)"
+    )
     count: int = 1
     first_seen: float
     last_seen: float

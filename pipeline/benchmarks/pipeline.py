@@ -15,6 +15,9 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   per-CPU-second rates are less sensitive to other load on the machine.
 - ``latency``: a real ``xidflow worker`` process; ~10,000 noise lines/s in the background and a fault
   line for a fresh node every 100 ms; latency = incident received - fault line sent (wall clock).
+- ``flood``: a good node's line-to-incident latency while one other node floods the kernel topic with
+  records of ~86,000 short marker lines (~600 KB) as fast as the broker takes them, against the same latency without
+  the flood, as ratios of the same run (``pipeline.benchmarks.flood``).
 - ``parse``: the pure parse figures of ``pipeline.benchmarks.parse.run_parse_benchmark``.
 - ``storm``: N incidents at once to a real actuator; nodes quarantined per second, against a bare
   client writing the same patches at the same concurrency (``storm_vs_raw_ratio``).
@@ -47,6 +50,7 @@ parse sections that use the same broker set-up; the scenario benches live beside
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 import random
@@ -56,7 +60,7 @@ import sys
 import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -363,49 +367,111 @@ async def throughput(ctx: BenchContext) -> dict[str, Any]:
     }
 
 
-@register("latency")
-async def latency(ctx: BenchContext) -> dict[str, Any]:
+@dataclass
+class BenchWorker:
+    """A real ``xidflow worker`` process of a section, with its log file."""
+
+    proc: asyncio.subprocess.Process
+    log_path: Path
+    log_file: Any
+
+    def log_tail(self) -> str:
+        return self.log_path.read_text(errors="replace")[-2000:]
+
+    async def stop(self) -> None:
+        if self.proc.returncode is None:
+            self.proc.terminate()
+            try:
+                await asyncio.wait_for(self.proc.wait(), 20)
+            except TimeoutError:
+                self.proc.kill()
+                await self.proc.wait()
+        self.log_file.close()
+
+
+async def start_worker(ctx: BenchContext, prefix: str, name: str) -> BenchWorker:
+    """Topics for ``prefix`` and a worker process reading them (app id ``bench-<run>-<name>``)."""
     from pipeline.app import worker_topics
 
-    prefix = f"bench-{ctx.run_id}-lat-"
-    topics = TopicNames(prefix=prefix)
-    await ensure_topics(ctx.bootstrap, worker_topics(f"bench-{ctx.run_id}", topics), ctx.partitions)
+    app_id = f"bench-{ctx.run_id}-{name}"
+    await ensure_topics(ctx.bootstrap, worker_topics(app_id, TopicNames(prefix=prefix)), ctx.partitions)
     env = {
         **os.environ,
         "XIDFLOW_TOPIC_PREFIX": prefix,
         "KAFKA_BOOTSTRAP_SERVERS": ctx.bootstrap,
         "XIDFLOW_PARSE_POLL_TIMEOUT_MS": "5",
     }
-    log_path = Path(tempfile.gettempdir()) / f"xidflow-bench-worker-{ctx.run_id}.log"
-    worker_log = log_path.open("wb")
-    worker = await asyncio.create_subprocess_exec(
-        *[
-            sys.executable,
-            "-m",
-            "pipeline.cli",
-            "worker",
-            "--app-id",
-            f"bench-{ctx.run_id}",
-            "--partitions",
-            str(ctx.partitions),
-            "--session-timeout",
-            "10",
-            "--loglevel",
-            "warning",
-        ],
-        env=env,
-        stdout=subprocess.DEVNULL,
-        stderr=worker_log,
+    log_path = Path(tempfile.gettempdir()) / f"xidflow-bench-worker-{ctx.run_id}-{name}.log"
+    log_file = log_path.open("wb")
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "pipeline.cli", "worker", "--app-id", app_id, "--partitions", str(ctx.partitions),
+        "--session-timeout", "10", "--loglevel", "warning",
+        env=env, stdout=subprocess.DEVNULL, stderr=log_file,
     )
+    return BenchWorker(proc, log_path, log_file)
+
+
+async def warm_up(ctx: BenchContext, worker: BenchWorker, producer: Any, consumer: Any, kernel: str, tag: str) -> None:
+    """Until the worker has joined its groups and turned a fault line into an incident (nothing is timed before)."""
+    warm_deadline = time.monotonic() + 120
+    while time.monotonic() < warm_deadline:
+        if worker.proc.returncode is not None:
+            raise RuntimeError(f"worker exited: {worker.log_tail()}")
+        node = f"{tag}-w-{uuid.uuid4().hex[:6]}"
+        await producer.send_and_wait(kernel, kmsg_record(_FAULTS[0].format(b=0x4E), node, 0), key=node.encode())
+        t_end = time.monotonic() + 5
+        while time.monotonic() < t_end:
+            for records in (await consumer.getmany(timeout_ms=200)).values():
+                if any(r.key == node.encode() for r in records):
+                    ctx.progress("worker warm-up", 1, 1)
+                    return
+        ctx.progress("worker warm-up", 0, 1)
+    raise RuntimeError("worker did not produce an incident within 120 s")
+
+
+@dataclass
+class TimedWorld:
+    """A section's worker, warmed up, with a producer of raw lines and a reader of its incidents."""
+
+    worker: BenchWorker
+    producer: Any
+    consumer: Any
+    topics: TopicNames
+
+    @property
+    def kernel(self) -> str:
+        return self.topics.name("logs_kernel")
+
+
+@contextlib.asynccontextmanager
+async def timed_world(ctx: BenchContext, name: str) -> AsyncIterator[TimedWorld]:
+    """Topics ``bench-<run>-<name>-``, a worker on them that turned a fault line into an incident, the clients."""
+    topics = TopicNames(prefix=f"bench-{ctx.run_id}-{name}-")
+    worker = await start_worker(ctx, topics.prefix, name)
     producer = kafka_clients.producer(bootstrap=ctx.bootstrap, linger_ms=1, acks=1)
     consumer = kafka_clients.consumer(
         topics.name("incidents"), bootstrap=ctx.bootstrap, auto_offset_reset="latest", group_id=None
     )
     await producer.start()
     await consumer.start()
-    sent: dict[str, float] = {}
+    try:
+        await warm_up(ctx, worker, producer, consumer, topics.name("logs_kernel"), f"{name}-{ctx.run_id}")
+        yield TimedWorld(worker, producer, consumer, topics)
+    finally:
+        await consumer.stop()
+        await producer.stop()
+        await worker.stop()
+
+
+@register("latency")
+async def latency(ctx: BenchContext) -> dict[str, Any]:
+    async with timed_world(ctx, "lat") as world:
+        return await _latency(ctx, world)
+
+
+async def _latency(ctx: BenchContext, world: TimedWorld) -> dict[str, Any]:
+    producer, consumer, kernel = world.producer, world.consumer, world.kernel
     latencies: list[float] = []
-    kernel = topics.name("logs_kernel")
     stop = asyncio.Event()
     noise_sent = 0
 
@@ -424,68 +490,17 @@ async def latency(ctx: BenchContext) -> dict[str, Any]:
             next_at += tick
             await asyncio.sleep(max(0.0, next_at - time.monotonic()))
 
-    async def faults(count: int, label: str) -> None:
-        for i in range(count):
-            node = f"lat-{ctx.run_id}-{label}-{i}"
-            value = kmsg_record(_FAULTS[0].format(b=0x4E), node, i)
-            sent[node] = time.time()
-            await producer.send(kernel, value, key=node.encode())
-            await asyncio.sleep(0.1)
-
-    async def collect(until: int, within_s: float) -> None:
-        deadline = time.monotonic() + within_s
-        while len(latencies) < until and time.monotonic() < deadline:
-            batches = await consumer.getmany(timeout_ms=100)
-            now = time.time()
-            for records in batches.values():
-                for rec in records:
-                    node = rec.key.decode() if rec.key else ""
-                    if (
-                        node.startswith(f"lat-{ctx.run_id}-m-")
-                        and node in sent
-                        and orjson.loads(rec.value).get("revision") == 0
-                    ):
-                        latencies.append((now - sent.pop(node)) * 1000)
-                        ctx.progress("latency", len(latencies), ctx.latency_samples)
-
+    noise_task = asyncio.ensure_future(noise())
     try:
-        # Warm-up: the worker must have joined its groups and recovered before we time anything.
-        ready = False
-        warm_deadline = time.monotonic() + 120
-        while not ready and time.monotonic() < warm_deadline:
-            if worker.returncode is not None:
-                raise RuntimeError(f"worker exited: {log_path.read_text(errors='replace')[-2000:]}")
-            node = f"lat-{ctx.run_id}-w-{uuid.uuid4().hex[:6]}"
-            await producer.send_and_wait(kernel, kmsg_record(_FAULTS[0].format(b=0x4E), node, 0), key=node.encode())
-            t_end = time.monotonic() + 5
-            while time.monotonic() < t_end and not ready:
-                for records in (await consumer.getmany(timeout_ms=200)).values():
-                    ready = ready or any(r.key == node.encode() for r in records)
-            ctx.progress("worker warm-up", 1 if ready else 0, 1)
-        if not ready:
-            raise RuntimeError("worker did not produce an incident within 120 s")
-        noise_task = asyncio.ensure_future(noise())
         await asyncio.sleep(2)  # let the noise reach steady state
         noise_started, noise_count0 = time.monotonic(), noise_sent
-        fault_task = asyncio.ensure_future(faults(ctx.latency_samples, "m"))
-        await collect(ctx.latency_samples, within_s=ctx.latency_samples * 0.1 + 60)
+        timed = await timed_faults(ctx, producer, consumer, kernel, f"lat-{ctx.run_id}-m", ctx.latency_samples,
+                                   "latency")
+        latencies = timed.latencies_ms
         achieved = (noise_sent - noise_count0) / (time.monotonic() - noise_started)
-        stop.set()
-        fault_task.cancel()
-        await asyncio.gather(noise_task, return_exceptions=True)
     finally:
         stop.set()
-        await consumer.stop()
-        await producer.stop()
-        if worker.returncode is None:
-            worker.terminate()
-            try:
-                await asyncio.wait_for(worker.wait(), 20)
-            except TimeoutError:
-                worker.kill()
-                await worker.wait()
-        worker_log.close()
-    latencies.sort()
+        await asyncio.gather(noise_task, return_exceptions=True)
     if not latencies:
         raise RuntimeError("no incident latency measured")
     return {
@@ -496,6 +511,62 @@ async def latency(ctx: BenchContext) -> dict[str, Any]:
         "latency_missing": ctx.latency_samples - len(latencies),
         "background_noise_lines_per_s": achieved,
     }
+
+
+@dataclass
+class Timed:
+    latencies_ms: list[float]
+    """Sorted: line sent -> its incident received, wall clock."""
+    missing: int
+    """Fault lines whose incident did not come within the deadline."""
+    waited_ms: float = 0.0
+    """How long the last fault line's incident was waited for (a missing one's latency is at least this)."""
+    by_node: dict[str, float] = field(default_factory=dict)
+    """Each node's latency (ms); the missing ones are not in it."""
+
+
+async def timed_faults(
+    ctx: BenchContext, producer: Any, consumer: Any, kernel: str, tag: str, count: int, task: str,
+    interval_s: float = 0.1, wait_s: float = 60,
+) -> Timed:
+    """One fault line for a fresh node (``<tag>-<i>``) every ``interval_s``; the latency of each one's incident."""
+    sent: dict[str, float] = {}
+    by_node: dict[str, float] = {}
+
+    async def faults() -> None:
+        for i in range(count):
+            node = f"{tag}-{i}"
+            value = kmsg_record(_FAULTS[0].format(b=0x4E), node, i)
+            sent[node] = time.time()
+            await producer.send(kernel, value, key=node.encode())
+            await asyncio.sleep(interval_s)
+
+    sending = asyncio.ensure_future(faults())
+    started = time.monotonic()
+    deadline = started + count * interval_s + wait_s
+    try:
+        while len(by_node) < count and time.monotonic() < deadline:
+            batches = await consumer.getmany(timeout_ms=100)
+            now = time.time()
+            for records in batches.values():
+                for rec in records:
+                    node = rec.key.decode() if rec.key else ""
+                    if node.startswith(f"{tag}-") and node in sent and orjson.loads(rec.value).get("revision") == 0:
+                        by_node[node] = (now - sent.pop(node)) * 1000
+                        ctx.progress(task, len(by_node), count)
+    finally:
+        sending.cancel()
+        await asyncio.gather(sending, return_exceptions=True)
+    waited_ms = (time.monotonic() - started - count * interval_s) * 1000
+    return Timed(sorted(by_node.values()), count - len(by_node), waited_ms, by_node)
+
+
+@register("flood")
+async def flood_section(ctx: BenchContext) -> dict[str, Any]:
+    """A good node's line-to-incident latency while another node floods, against it without (``flood``)."""
+    from pipeline.benchmarks.flood import flood
+
+    return await flood(ctx)
 
 
 @register("parse")

@@ -76,8 +76,11 @@ def actuator(
     if settings.policy_file:
         try:
             load_yaml_file(settings.policy_file)  # refuse a bad policy before touching anything
-        except PolicyError as exc:
-            raise click.ClickException(f"invalid policy file {settings.policy_file}: {exc}") from None
+        except (PolicyError, OSError) as exc:
+            why = f"cannot be read: {exc.strerror or exc}" if isinstance(exc, OSError) else str(exc)
+            raise click.ClickException(
+                f"invalid policy file {settings.policy_file} (XIDFLOW_ACTUATOR_POLICY_FILE / --policy-file): {why}"
+            ) from None
     try:
         check_operator_templates(settings)
     except JobTemplateError as exc:

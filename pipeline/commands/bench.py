@@ -31,7 +31,7 @@ import click
 )
 @click.option(
     "--sections",
-    default="throughput,latency,parse,storm,burst,failover,rolling",
+    default="throughput,latency,flood,parse,storm,burst,failover,rolling",
     show_default=True,
     help="Comma-separated sections to run (e.g. --sections burst --nodes 100 for a quick run).",
 )
@@ -138,6 +138,19 @@ def bench(
         ("latency p99", "latency_p99_ms", "{:.1f} ms"),
         ("latency samples", "latency_samples", "{}"),
         ("background noise achieved", "background_noise_lines_per_s", "{:,.0f} lines/s"),
+        ("flood: good node p50 without a flood (line -> incident)", "flood_quiet_p50_ms", "{:,.0f} ms"),
+        ("flood: good node p99 without a flood", "flood_quiet_p99_ms", "{:,.0f} ms"),
+        ("flood: good node p50 while another node floods", "flood_p50_ms", "{:,.0f} ms"),
+        ("flood: good node p99 while another node floods", "flood_p99_ms", "{:,.0f} ms"),
+        ("flood: p50 flooded / quiet", "flood_vs_quiet_p50_ratio", "{:.2f}"),
+        ("flood: p99 flooded / quiet", "flood_vs_quiet_p99_ratio", "{:.2f}"),
+        ("flood: p50 of good nodes on other partitions", "flood_other_partitions_p50_ms", "{:,.0f} ms"),
+        ("flood: p99 of good nodes on other partitions", "flood_other_partitions_p99_ms", "{:,.0f} ms"),
+        ("flood: p50 of good nodes on the flooder's partition", "flood_same_partition_p50_ms", "{:,.0f} ms"),
+        ("flood: p99 of good nodes on the flooder's partition", "flood_same_partition_p99_ms", "{:,.0f} ms"),
+        ("flood: good faults without an incident after 60 s", "flood_missing", "{}"),
+        ("flood: rate the flooding node sent", "flood_mb_per_s", "{:,.1f} MB/s"),
+        ("flood: the flooding node's dead letters by code", "flood_deadletters", "{}"),
         ("storm: nodes quarantined at once", "storm_nodes", "{}"),
         ("storm: seconds until all quarantined", "storm_seconds", "{:.2f} s"),
         ("storm: nodes quarantined per second", "storm_nodes_per_s", "{:,.0f} nodes/s"),
@@ -200,7 +213,7 @@ def bench(
         ("scale: the two ratios above, fleet / base", "scale_burst_vs_base_raw_normalized", "{:.2f}"),
     ]
     for label, key, fmt in rows:
-        if key in results:
+        if results.get(key) is not None:
             table.add_row(label, fmt.format(results[key]))
     parse = results.get("parse")
     if isinstance(parse, dict) and "parse_lines_per_s" in parse:

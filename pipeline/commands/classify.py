@@ -32,7 +32,12 @@ def event_to_row(line_no: int, event: FaultEvent) -> dict[str, object]:
         "nvswitch": event.nvswitch,
         "link": event.link,
         "fatal": event.fatal,
+        "gpu_instance": event.gpu_instance,
+        "compute_instance": event.compute_instance,
+        "reporter": event.reporter.value if event.reporter else None,
         "grade": event.grade.value if event.grade else None,
+        "cuda_error": event.detail.get("cuda_error"),
+        "cuda_error_code": event.detail.get("cuda_error_code"),
         "name": event.name,
         "action": event.action.value,
         "quarantine": event.quarantine,
@@ -100,6 +105,20 @@ def _code(row: dict[str, object]) -> str:
     return code + (f".{row['subcode']}" if row["subcode"] is not None else "")
 
 
+def _detail(row: dict[str, object]) -> str:
+    """What the line says beyond the columns: the MIG instance, who reported an SXid, a pod line's CUDA error."""
+    parts = []
+    if row["gpu_instance"] is not None:
+        parts.append(f"GPU-I:{row['gpu_instance']}")
+    if row["compute_instance"] is not None:
+        parts.append(f"GPU-CI:{row['compute_instance']}")
+    if row["reporter"] is not None:
+        parts.append(f"reporter={row['reporter']}")
+    if row["cuda_error"] is not None:
+        parts.append(f"{row['cuda_error']}({row['cuda_error_code']})")
+    return " ".join(parts) or "-"
+
+
 CLASSIFY_COLUMNS = [
     Column("line", lambda r: str(r["line"])),
     Column("kind", lambda r: str(r["kind"])),
@@ -109,6 +128,7 @@ CLASSIFY_COLUMNS = [
     Column("quarantine", lambda r: "yes" if r["quarantine"] else "no"),
     Column("severity", lambda r: str(r["severity"])),
     Column("name", lambda r: str(r["name"] or r["grade"] or "-")),
+    Column("detail", _detail),
     Column("gpu", lambda r: str(r["gpu_uuid"] or r["nvswitch"] or "-"), wide_only=True),
     Column("link", lambda r: "-" if r["link"] is None else str(r["link"]), wide_only=True),
     Column("id", lambda r: str(r["id"]), wide_only=True),

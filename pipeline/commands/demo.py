@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import os
 import sys
+import time
 from pathlib import Path
 
 import click
@@ -25,10 +26,15 @@ from pipeline.localinfra.procs import StartError
 @click.option("--details", is_flag=True,
               help="After the run, print the fleet and the audit trail with every column (as kubectl -o wide): "
                    "what xidflow applied and why, incidents, boot ids, kernel-line paths, last actions, reasons.")
-def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float, details: bool) -> None:
+@click.option("--setup-started", type=float, default=None, hidden=True,
+              help="When `make demo` began (seconds since the epoch), so the demo's last line gives the whole time, "
+                   "builds and installs included.")
+def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float, details: bool,
+         setup_started: float | None) -> None:
     """Simulate a GPU fleet and watch xidflow find and remediate its faults; exit 0 when all went right."""
     from pipeline.demo.runner import DemoRun
 
+    started = time.time()
     console = Console()
     infra = None
     bootstrap, kubeconfig = os.environ.get("KAFKA_BOOTSTRAP_SERVERS"), os.environ.get("KUBECONFIG")
@@ -55,4 +61,20 @@ def demo(nodes: int, actuators: int, keep_infra: bool, step_timeout: float, deta
             infra.down()
     if infra is not None and keep_infra:
         console.print("local infrastructure left running: `xidflow local down` stops it")
+    console.print(timing_line(setup_started, started, time.time()))
     sys.exit(0 if ok else 1)
+
+
+def _minutes(seconds: float) -> str:
+    s = max(0, round(seconds))
+    return f"{s // 60}m {s % 60:02d}s" if s >= 60 else f"{s}s"
+
+
+def timing_line(setup_started: float | None, demo_started: float, now: float) -> str:
+    """The demo's last line: how long it took, and with ``make demo``'s start, the set-up before it (a cold
+    machine's builds and installs) and the total a newcomer waited."""
+    if setup_started is None or setup_started > demo_started:
+        return f"time: demo {_minutes(now - demo_started)} (infrastructure start included)"
+    return (f"time: {_minutes(now - setup_started)} in all since `make demo` began: set-up "
+            f"{_minutes(demo_started - setup_started)} (environment, builds and installs; seconds when cached), "
+            f"demo {_minutes(now - demo_started)} (infrastructure start included)")

@@ -158,8 +158,6 @@ def _load_policy(path: str, what: str) -> Any:
         return load_yaml_file(path)
     except OSError as exc:
         raise click.ClickException(f"cannot read the {what} {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise click.ClickException(f"cannot read the {what} {path}: it is not UTF-8 text") from None
     except PolicyError as exc:
         raise click.ClickException(f"the {what} {path} is invalid: {exc}") from None
 

@@ -151,9 +151,15 @@ def sentences(kube_host: Callable[[], str] = lambda: "", kafka_note: str = "") -
 
 
 def _run(kube: Any, work: Callable[[], Awaitable[T]], kafka_note: str = "") -> T:
+    async def work_then_close() -> T:
+        try:
+            return await work()
+        finally:
+            await kube.aclose()  # its HTTP session, on the loop it was opened on (else: "Unclosed client session")
+
     with sentences(lambda: _api_host(kube), kafka_note):
         try:
-            return asyncio.run(work())
+            return asyncio.run(work_then_close())
         finally:
             kube.close()
 

@@ -43,9 +43,7 @@ from pydantic import ValidationError
 from pipeline.detection.catalog import Catalog, Classification
 from pipeline.ingest.parsing.common import normalize_pci
 from pipeline.ingest.parsing.kernel import (
-    NCCL_MARKER,
-    NVRM_MARKER,
-    SXID_MARKER,
+    KERNEL_MARKERS,
     FallenOffBusLine,
     GpuUuidLine,
     NcclSegfaultLine,
@@ -60,6 +58,7 @@ from schemas.records import (
     FaultKind,
     HealthCheckResult,
     LogRecord,
+    Reporter,
     Severity,
     Source,
     stable_id,
@@ -79,8 +78,11 @@ _PROBE = Source.PROBE
 
 
 def kernel_prefilter(line: str) -> bool:
-    """Can this kernel line hold a fault (or a UUID mapping)? Three substring scans."""
-    return NVRM_MARKER in line or SXID_MARKER in line or NCCL_MARKER in line
+    """Can this kernel line hold a fault (or a UUID mapping)? A substring scan per kernel marker."""
+    for marker in KERNEL_MARKERS:
+        if marker in line:
+            return True
+    return False
 
 
 def prefilter(line: str, source: Source | str | None = None) -> bool:
@@ -91,9 +93,9 @@ def prefilter(line: str, source: Source | str | None = None) -> bool:
     HealthCheckResult is looked at).
     """
     if source is None:
-        return NVRM_MARKER in line or SXID_MARKER in line or NCCL_MARKER in line or pod_anchor(line)
+        return kernel_prefilter(line) or pod_anchor(line)
     if source == _KERNEL:
-        return NVRM_MARKER in line or SXID_MARKER in line or NCCL_MARKER in line
+        return kernel_prefilter(line)
     if source == _POD:
         return pod_anchor(line)
     return True
@@ -187,7 +189,7 @@ class Detector:
                     self._pod_line(record, line, offset, seq, out)
             return out
         for offset, line in enumerate(record_lines(text)):
-            if NVRM_MARKER in line or SXID_MARKER in line or NCCL_MARKER in line:
+            if kernel_prefilter(line):
                 self._kernel_line(record, line, offset, seq, out)
         return out
 
@@ -261,7 +263,8 @@ class Detector:
             (seq, self._event(
                 record, line, offset, FaultKind.XID, cls, code=code, subcode=parsed.subcode, pci=pci,
                 gpu_uuid=state.uuid_by_pci.get(pci) if pci else None, link=parsed.link,
-                fatal=parsed.fatal, pid=parsed.pid, process=parsed.process, detail=detail,
+                fatal=parsed.fatal, gpu_instance=parsed.gpu_instance, compute_instance=parsed.compute_instance,
+                pid=parsed.pid, process=parsed.process, detail=detail,
             ))
         )
 
@@ -272,17 +275,25 @@ class Detector:
         key = (parsed.pci, parsed.code)
         if parsed.continuation:
             return  # "Severity ..." / "Data {...}" lines belong to the SXid printed just before
-        if not parsed.header and state.last_sxid == key:
-            return  # further unflagged lines of the same error (e.g. "SOE HALT data[0] = ...")
-        state.last_sxid = key
+        if parsed.reporter is Reporter.DRIVER:
+            if not parsed.header and state.last_sxid == key:
+                return  # further unflagged lines of the same error (e.g. "SOE HALT data[0] = ...")
+            state.last_sxid = key
         cls = self.catalog.sxid(parsed.code, parsed.fatal)
-        detail: dict[str, object] = {"message": parsed.message} if parsed.message else {}
+        detail: dict[str, object] = dict(parsed.detail)
+        if parsed.physical_id is not None:
+            detail["physical_id"] = parsed.physical_id
+        if parsed.message:
+            detail["message"] = parsed.message
         if not cls.known:
             detail["unknown_code"] = True
+        # Both reports of one fault (the driver's line, Fabric Manager's) are emitted, each with the id of its own
+        # line: the aggregation folds them into one incident (same signature) and counts the fault once.
         out.append(
             (seq, self._event(
                 record, line, offset, FaultKind.SXID, cls, code=parsed.code, pci=parsed.pci,
-                nvswitch=parsed.nvswitch, link=parsed.link, fatal=cls.fatal, detail=detail,
+                nvswitch=parsed.nvswitch, link=parsed.link, fatal=cls.fatal, reporter=parsed.reporter,
+                detail=detail,
             ))
         )
 
@@ -354,10 +365,13 @@ class Detector:
         if signal is None:
             return
         cls = self.catalog.signal(f"pod_{signal.grade.value}")
+        detail: dict[str, object] = {"matched": signal.matched}
+        if signal.cuda_error is not None:
+            detail.update(cuda_error=signal.cuda_error, cuda_error_code=signal.cuda_error_code)
         out.append(
             (seq, self._event(
                 record, line, offset, FaultKind.POD_ERROR, cls, grade=signal.grade,
-                name=signal.name, detail={"matched": signal.matched},
+                name=signal.name, detail=detail,
             ))
         )
 

@@ -10,7 +10,7 @@ the replay command and the unit tests drive ``ParseCore`` directly. Per batch:
    stream). The scan is one pass of an aho-corasick automaton (``bytes.find`` per marker without it)
    over the batch joined by NUL bytes, so noise costs no Python-level work per record. Markers
    spelled with a JSON escape (``NET\\/``) count as markers; payloads with JSON ``\\u`` escapes, empty,
-   null or oversize payloads always take the full path. One record in ``shape_check_every`` is decoded
+   null or large payloads (over 64 KiB) always take the full path. One record in ``shape_check_every`` is decoded
    anyway, so a shipper sending an unknown shape shows up in the dead-letter topic quickly.
 2. Candidates go through ``pipeline.ingest.adapters.decode_record`` (LogRecords + DeadLetters), then the
    per-line ``prefilter`` and ``Detector.process``. ``ParseCore.held_offsets`` tells the stage which
@@ -37,7 +37,7 @@ from pydantic import ValidationError
 
 from pipeline.detection.catalog import Catalog
 from pipeline.detection.parse_settings import ParseSettings
-from pipeline.ingest.bounds import cap_dead_letters, clip_record
+from pipeline.ingest.bounds import budget_by_key, cap_dead_letters, cap_lines, clip_record, cut_raw_lines
 from pipeline.runtime.settings import TopicNames
 from schemas.records import (
     Action,
@@ -117,8 +117,10 @@ class BatchResult:
     decoded: int = 0
 
 
-MAX_GATE_BYTES = 1 << 20
-"""Payloads above this skip the gate (the adapter dead-letters oversize records)."""
+MAX_GATE_BYTES = 64 << 10
+"""Payloads above this are not scanned: they are decoded, within the parse stage's bounds (the record's lines,
+its node's bytes in the batch; the adapter dead-letters oversize records). A shipper sends a line or a few a
+record; a scan of a large record dense with markers cost more than its bounded decode (every match is one)."""
 
 
 def gate_markers() -> tuple[str, ...]:
@@ -129,10 +131,10 @@ def gate_markers() -> tuple[str, ...]:
     (``gate_patterns``) and treats any ``\\u`` escape as a possible marker. tests/unit/test_parse_stage.py
     checks this stays equivalent to the prefilter.
     """
-    from pipeline.ingest.parsing.kernel import NCCL_MARKER, NVRM_MARKER, SXID_MARKER
+    from pipeline.ingest.parsing.kernel import KERNEL_MARKERS
     from pipeline.ingest.parsing.pod import POD_ANCHORS
 
-    return (NVRM_MARKER, SXID_MARKER, NCCL_MARKER, *POD_ANCHORS)
+    return (*KERNEL_MARKERS, *POD_ANCHORS)
 
 
 UNICODE_ESCAPE = b"\\u"
@@ -287,8 +289,17 @@ class ParseCore:
                 lengths = list(map(len, values))
             buf = b"\x00".join(values)  # type: ignore[arg-type]
         if min(lengths) == 0 or max(lengths) > MAX_GATE_BYTES:
-            # Empty or oversize payloads go to the adapter, which dead-letters them with a reason.
-            marked.update(i for i, size in enumerate(lengths) if size == 0 or size > MAX_GATE_BYTES)
+            # Empty or large payloads go to the adapter (the empty and the oversize become dead letters with a
+            # reason); the large ones are left out of the scan (an empty value in their place).
+            big = [i for i, size in enumerate(lengths) if size > MAX_GATE_BYTES]
+            marked.update(i for i, size in enumerate(lengths) if size == 0)
+            if big:
+                marked.update(big)
+                values = list(values)
+                lengths = list(lengths)
+                for i in big:
+                    values[i], lengths[i] = b"", 0
+                buf = b"\x00".join(values)  # type: ignore[arg-type]
         ends: list[int] = []  # ends[i]: bytes of records 0..i, separators left out (C-level accumulate)
         indexes = range(n)
 
@@ -300,12 +311,17 @@ class ParseCore:
 
         escapes = buf.find(b"\\") != -1  # memchr: most batches hold no backslash at all
         if self._automaton is not None:
-            # One pass of the Rust aho-corasick automaton over the batch for all markers at once.
-            for _, pos, _ in self._automaton.find_matches_as_indexes(buf):
-                marked.add(record_at(pos))
-            if escapes:
-                for _, pos, _ in self._escapes.find_matches_as_indexes(buf):
-                    marked.add(record_at(pos))
+            # One pass of the Rust aho-corasick automaton over the batch for all markers at once. Its matches come
+            # in order: the rest of a marked record's matches are passed over with one comparison each (a record
+            # of 100,000 marker lines cost the gate 0.5 s when each match looked its record up).
+            for automaton in (self._automaton, self._escapes) if escapes else (self._automaton,):
+                record_end = -1
+                for _, pos, _ in automaton.find_matches_as_indexes(buf):
+                    if pos < record_end:
+                        continue
+                    index = record_at(pos)
+                    marked.add(index)
+                    record_end = ends[index] + index
         else:
             find = buf.find
             for marker in (*self.markers, UNICODE_ESCAPE) if escapes else self.markers:
@@ -351,10 +367,11 @@ class ParseCore:
             health, logs = list(records), []
         else:
             health, logs = [], records
-        for rec in health:
-            self._guarded(rec, result, now, self._health)
+        for index in self._within_budget(health, range(len(health)), result):
+            self._guarded(health[index], result, now, self._health)
         wanted = self.candidates(list(map(_VALUE, logs)), _sizes(logs))
         result.noise = len(logs) - len(wanted)
+        wanted = self._within_budget(logs, wanted, result)
         result.decoded += len(wanted)
         for index in wanted:
             self._guarded(logs[index], result, now, self._decode_and_detect)
@@ -365,15 +382,50 @@ class ParseCore:
         self, records: Sequence[BareRecord], topic: str, partition: int, result: BatchResult, now: float
     ) -> None:
         if topic == self.health_topic:
-            for rec in records:
-                self._guarded(Located(topic, partition, rec), result, now, self._health)
+            for index in self._within_budget(records, range(len(records)), result, topic, partition):
+                self._guarded(Located(topic, partition, records[index]), result, now, self._health)
         else:
             wanted = self.candidates(list(map(_VALUE, records)))
             result.noise = len(records) - len(wanted)
+            wanted = self._within_budget(records, wanted, result, topic, partition)
             result.decoded += len(wanted)
             for index in wanted:
                 self._guarded(Located(topic, partition, records[index]), result, now, self._decode_and_detect)
         result.events += self.flush_stale(now)
+
+    def _within_budget(
+        self,
+        records: Sequence[RawRecord] | Sequence[BareRecord],
+        wanted: Sequence[int],
+        result: BatchResult,
+        topic: str | None = None,
+        partition: int | None = None,
+    ) -> list[int]:
+        """The ``wanted`` records within their node's bytes of this batch (``bounds.budget_by_key``); the others
+        become one dead letter per node, which names them and carries the first as its payload."""
+        limit = self.settings.max_key_bytes_per_batch
+        kept, over = budget_by_key([(i, records[i].key, len(records[i].value or b"")) for i in wanted], limit)
+        for key, indexes in over.items():
+            first, last = records[indexes[0]], records[indexes[-1]]
+            where_topic = topic if topic is not None else first.topic  # type: ignore[union-attr]
+            where_partition = partition if partition is not None else first.partition  # type: ignore[union-attr]
+            size = sum(len(records[i].value or b"") for i in indexes)
+            node = _text(key)
+            result.dead_letters.append(
+                DeadLetter.of(
+                    STAGE,
+                    f"node {node}: {len(indexes)} records ({size} bytes) with fault markers past the node's {limit} "
+                    f"bytes in one batch (XIDFLOW_PARSE_MAX_KEY_BYTES_PER_BATCH) were not parsed: offsets "
+                    f"{first.offset} to {last.offset} of {where_topic}[{where_partition}]; the payload is the first",
+                    first.value,
+                    DeadLetterCode.NODE_OVER_BUDGET,
+                    topic=where_topic,
+                    partition=where_partition,
+                    offset=first.offset,
+                    key=node,
+                )
+            )
+        return kept
 
     def _guarded(
         self, rec: RawRecord, result: BatchResult, now: float, handler: Callable[[RawRecord, BatchResult, float], None]
@@ -382,22 +434,14 @@ class ParseCore:
             handler(rec, result, now)
         except Exception as exc:  # noqa: BLE001 - the stage never dies on input; the reason says why
             log.exception("parse error at %s[%d]@%d", rec.topic, rec.partition, rec.offset)
-            result.dead_letters.append(
-                DeadLetter.of(
-                    STAGE,
-                    f"parse error {type(exc).__name__}: {exc}",
-                    rec.value,
-                    DeadLetterCode.PARSE_ERROR,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            why = f"parse error {type(exc).__name__}: {exc}"
+            result.dead_letters.append(_letter(rec, why, DeadLetterCode.PARSE_ERROR))
 
     def _decode_and_detect(self, rec: RawRecord, result: BatchResult, now: float) -> None:
+        most = self.settings.max_lines_per_record
+        value, raw_lines = cut_raw_lines(rec.value, most) if rec.value else (rec.value, 0)
         lines, dead = self.decode_record(
-            rec.value,
+            value,
             rec.key,
             rec.headers,
             rec.topic,
@@ -405,6 +449,15 @@ class ParseCore:
             partition=rec.partition,
             offset=rec.offset,
         )
+        found = max(raw_lines, cap_lines(lines, most))
+        if found > most:
+            # The first lines are parsed (a fault among them is still seen); the record, once, says the rest were not.
+            dead.append(_letter(
+                rec,
+                f"{found} lines in one record, past the limit of {most} (XIDFLOW_PARSE_MAX_LINES_PER_RECORD): "
+                f"the first {most} were parsed, the rest not; the payload is the input",
+                DeadLetterCode.TOO_MANY_LINES,
+            ))
         limit = self.settings.max_line_chars
         cut = 0
         for line in lines:
@@ -421,18 +474,10 @@ class ParseCore:
                 self.partial[line.node] = (rec.topic, rec.partition, rec.offset, now)
         if cut:
             # The whole input, once, where an operator can read what was cut (itself cut to 64 KiB).
-            dead.append(
-                DeadLetter.of(
-                    STAGE,
-                    f"over-long line: {cut} characters cut to {limit} per line; the payload is the input",
-                    rec.value,
-                    DeadLetterCode.TRUNCATED,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            dead.append(_letter(
+                rec, f"over-long line: {cut} characters cut to {limit} per line; the payload is the input",
+                DeadLetterCode.TRUNCATED,
+            ))
         if dead:
             result.dead_letters += cap_dead_letters(dead, self.settings.max_dead_letters_per_record)
 
@@ -448,18 +493,7 @@ class ParseCore:
             check = HealthCheckResult.from_bytes(rec.value)
         except (ValidationError, ValueError) as exc:
             reason = f"not a HealthCheckResult: {str(exc).splitlines()[0]}"
-            result.dead_letters.append(
-                DeadLetter.of(
-                    STAGE,
-                    reason,
-                    rec.value,
-                    DeadLetterCode.INVALID_RECORD,
-                    topic=rec.topic,
-                    partition=rec.partition,
-                    offset=rec.offset,
-                    key=_text(rec.key),
-                )
-            )
+            result.dead_letters.append(_letter(rec, reason, DeadLetterCode.INVALID_RECORD))
             return
         result.decoded += 1
         if check.passed:
@@ -495,6 +529,12 @@ class ParseCore:
             if tp not in held or offset < held[tp]:
                 held[tp] = offset
         return held
+
+
+def _letter(rec: RawRecord, reason: str, code: DeadLetterCode) -> DeadLetter:
+    """The dead letter of one record of the parse path: its coordinates, and the record as the payload."""
+    return DeadLetter.of(STAGE, reason, rec.value, code, topic=rec.topic, partition=rec.partition, offset=rec.offset,
+                         key=_text(rec.key))
 
 
 def _sizes(records: Sequence[RawRecord]) -> list[int] | None:

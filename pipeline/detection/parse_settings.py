@@ -2,9 +2,10 @@
 
 One settings class on purpose: operators see one prefix and one table in docs/configuration.md. The
 fields that shape parsing (``shape_check_every``, ``multiline_timeout_s``, ``max_line_chars``,
-``max_dead_letters_per_record``, ``max_nodes``) are read by ``pipeline.detection.parse_core.ParseCore``; the
-fetch, produce and commit fields by ``pipeline.detection.parse_stage.ParseStage`` and
-``pipeline.detection.parse_outputs``. A module of its own so the pure core needs nothing of the Kafka side.
+``max_lines_per_record``, ``max_key_bytes_per_batch``, ``max_dead_letters_per_record``, ``max_nodes``) are
+read by ``pipeline.detection.parse_core.ParseCore``; the fetch, produce and commit fields by
+``pipeline.detection.parse_stage.ParseStage`` and ``pipeline.detection.parse_outputs``. A module of its own
+so the pure core needs nothing of the Kafka side.
 """
 
 from __future__ import annotations
@@ -12,7 +13,12 @@ from __future__ import annotations
 from pydantic import Field
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from pipeline.ingest.bounds import DEFAULT_MAX_DEAD_LETTERS, DEFAULT_MAX_LINE_CHARS
+from pipeline.ingest.bounds import (
+    DEFAULT_MAX_DEAD_LETTERS,
+    DEFAULT_MAX_KEY_BYTES_PER_BATCH,
+    DEFAULT_MAX_LINE_CHARS,
+    DEFAULT_MAX_LINES_PER_RECORD,
+)
 
 PRODUCER_BATCH_BYTES = 512 << 10
 """Producer batch size of the worker's producers (parse stage and Faust): aiokafka's default, 16 KiB,
@@ -98,6 +104,23 @@ class ParseSettings(BaseSettings):
         le=262_144,
         description="Default 4096. Characters kept of one log line that reaches the detector; a longer line is "
         "cut with a marker and its record goes to the dead-letter topic once (256 to 262144).",
+    )
+    max_lines_per_record: int = Field(
+        default=DEFAULT_MAX_LINES_PER_RECORD,
+        ge=1,
+        le=1_000_000,
+        description="Default 1000. Lines of one record that are parsed; the rest are not, and the record goes to "
+        "the dead-letter topic once (code too_many_lines) (1 to 1000000).",
+    )
+    max_key_bytes_per_batch: int = Field(
+        default=DEFAULT_MAX_KEY_BYTES_PER_BATCH,
+        ge=1024,
+        le=1 << 30,
+        description="Default 64 KiB. Bytes of one Kafka key's (one node's) records with fault markers that are "
+        "parsed in one batch; its first record always is. The node's records past it are not parsed and go to "
+        "the dead-letter topic as one letter per node and batch (code node_over_budget), so one node's flood "
+        "costs that node's lines, not the fleet's detection. Records without a key are not budgeted (1 KiB to "
+        "1 GiB).",
     )
     max_dead_letters_per_record: int = Field(
         default=DEFAULT_MAX_DEAD_LETTERS,

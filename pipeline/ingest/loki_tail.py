@@ -39,6 +39,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit, urlunsplit
 
 import orjson
+from aiokafka.errors import KafkaError
 from websockets.exceptions import InvalidStatus
 
 from pipeline.kafka import clients as kafka_clients
@@ -47,6 +48,7 @@ from pipeline.kafka import undecodable_fetch, upstream
 from pipeline.kafka.undecodable import Failure, Undecodable
 from pipeline.runtime import metrics
 from pipeline.runtime.deadletter_log import DeadLetterReporter
+from pipeline.runtime.reachability import BROKER, LOKI
 from schemas.records import DeadLetter, DeadLetterCode
 
 log = logging.getLogger(__name__)
@@ -60,7 +62,9 @@ class LokiRequestRejected(Exception):
 
 TAIL_PATH = "/loki/api/v1/tail"
 MAX_DELAY_FOR_S = 5  # Loki rejects delay_for above 5 seconds
-DEFAULT_LIMIT = 5000  # Loki's default max_entries_limit_per_query; larger limits are refused
+# Entries replayed on (re)connect: Loki's default max_entries_limit_per_query, which bounds queries but not a
+# tail's replay (Loki 3.7 takes a larger tail limit; tests/integration/test_loki_tail.py asks the real one).
+DEFAULT_LIMIT = 5000
 RESUME_HEADER = "xidflow-loki-tail"
 DEFAULT_RESUME_SCAN = 10_000
 RESUME_APPROACH_RECORDS = 500
@@ -502,13 +506,10 @@ class LokiTailBridge:
 
     async def _pause(self, stop: asyncio.Event, exc: BaseException) -> None:
         delay = self.backoff.next_delay()
-        log.warning(
-            "loki tail interrupted (%s: %s); reconnecting in %.1fs from start=%s",
-            type(exc).__name__,
-            exc,
-            delay,
-            self.cursor.last_ts_ns,
-        )
+        if isinstance(exc, KafkaError):  # the broker's outage is logged as such by its clients' records
+            BROKER.failed(f"loki-tail: {type(exc).__name__}: {exc}")
+        else:  # Loki's: one line when it is lost, one a minute, one when it is back (reachability.LOKI)
+            LOKI.failed(f"{type(exc).__name__}: {exc} (reconnecting from start={self.cursor.last_ts_ns})")
         try:
             await asyncio.wait_for(stop.wait(), timeout=delay)
         except TimeoutError:
@@ -525,6 +526,7 @@ class LokiTailBridge:
         tls = self.auth.ssl_context() if url.startswith("wss:") else None
         async with connect(url, additional_headers=headers, max_size=64 * 1024 * 1024, ssl=tls) as ws:
             self.stats.connections += 1
+            LOKI.reachable()
             log.info("tailing %s", url)
             stop_task = asyncio.ensure_future(stop.wait())
             try:

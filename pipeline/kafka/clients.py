@@ -28,7 +28,12 @@ from aiokafka.abc import AbstractTokenProvider
 from aiokafka.admin import AIOKafkaAdminClient
 from pydantic import ValidationError
 
+from pipeline.kafka import reachability
 from pipeline.runtime.settings import KafkaSettings
+
+# Every process that talks to Kafka imports this module first: from here on, a broker outage is a few lines
+# (pipeline.kafka.reachability), in its clients and in Faust's.
+reachability.install()
 
 
 class KafkaConfigError(click.ClickException):

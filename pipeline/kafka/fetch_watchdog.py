@@ -63,6 +63,8 @@ from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from aiokafka.errors import KafkaError
+
 from pipeline.kafka import undecodable, upstream
 from pipeline.runtime import metrics
 from pipeline.runtime.liveness import LIVENESS, Component
@@ -474,59 +476,70 @@ def install(
 
     @app.timer(interval=interval_s)
     async def fetch_watchdog() -> None:
-        consumer = app.consumer
-        if not getattr(consumer, "flow_active", True) or not isinstance(consumer, GuardedConsumer):
-            return
         try:
-            paused, position_of = consumer.fetch_positions()
-        except Exception:  # noqa: BLE001 - internals moved: the watchdog stands down, the worker goes on
-            return
-        tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
-        detector.forget(set(tps))
-        consumer.seek_fence.forget(set(tps))
-        for tp in set(consumer.redo) - set(tps):
-            del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
-        for tp in set(consumer.redone) - set(consumer.redo):
-            del consumer.redone[tp]
-        in_flight = consumer.in_flight_partitions()  # delivered, being processed
-        for tp in tps:
-            if tp in paused or consumer.paused_by_faust(tp):
-                continue
-            try:
-                position = position_of(tp)
-            except Exception:  # noqa: BLE001 - not assigned any more
-                continue
-            start = consumer.resume_offset(tp)
-            if start is None:
-                continue  # not positioned after its assignment yet
-            fence = consumer.redo.get(tp)
-            if fence is not None:
-                await _reread_fenced(consumer, tp, fence, start)
-                continue
-            acked = consumer.acked_offsets(tp)
-            missing = first_unacked(start, acked) if acked else None
-            delivered = consumer.read_offset(tp)
-            last = consumer.seek_fence.last_delivered(tp, delivered)
-            tail_unacked = (
-                last is not None
-                and last >= start
-                and (not acked or max(acked) < last)
-                and tp not in in_flight
-            )
-            target = detector.observe(
-                tp, position, delivered, start, first_missing=missing, tail_unacked=tail_unacked
-            )
-            if target is None:
-                continue
-            await consumer.refresh_log_start(tp)
-            target = consumer.resume_offset(tp) or target
-            log.warning(
-                "%s[%d]: fetched up to %s, read offset %s, first unacknowledged %s: re-reading from %d",
-                tp.topic, tp.partition, position, delivered, missing, target,
-            )
-            await consumer.seek(tp, target)
+            await _check(app, source_topics, detector)
+        except (KafkaError, OSError) as exc:  # OSError: TimeoutError and lost connections too
+            # The broker is away (an outage, a restart): the log-start lookups time out after the client's
+            # request timeout. An exception out of a Faust timer stops the worker, so this round is skipped; the
+            # next one looks again, and the consumer's own reconnects say that the broker is gone.
+            log.debug("fetch watchdog: broker unavailable, check skipped (%s)", type(exc).__name__)
 
     return detector
+
+
+async def _check(app: Any, source_topics: set[str], detector: StallDetector) -> None:
+    """One round of the watchdog over the source partitions assigned to ``app``'s consumer."""
+    consumer = app.consumer
+    if not getattr(consumer, "flow_active", True) or not isinstance(consumer, GuardedConsumer):
+        return
+    try:
+        paused, position_of = consumer.fetch_positions()
+    except Exception:  # noqa: BLE001 - internals moved: the watchdog stands down, the worker goes on
+        return
+    tps = [tp for tp in consumer.assignment() if tp.topic in source_topics]
+    detector.forget(set(tps))
+    consumer.seek_fence.forget(set(tps))
+    for tp in set(consumer.redo) - set(tps):
+        del consumer.redo[tp]  # a partition that moved is read from its committed offset anyway
+    for tp in set(consumer.redone) - set(consumer.redo):
+        del consumer.redone[tp]
+    in_flight = consumer.in_flight_partitions()  # delivered, being processed
+    for tp in tps:
+        if tp in paused or consumer.paused_by_faust(tp):
+            continue
+        try:
+            position = position_of(tp)
+        except Exception:  # noqa: BLE001 - not assigned any more
+            continue
+        start = consumer.resume_offset(tp)
+        if start is None:
+            continue  # not positioned after its assignment yet
+        fence = consumer.redo.get(tp)
+        if fence is not None:
+            await _reread_fenced(consumer, tp, fence, start)
+            continue
+        acked = consumer.acked_offsets(tp)
+        missing = first_unacked(start, acked) if acked else None
+        delivered = consumer.read_offset(tp)
+        last = consumer.seek_fence.last_delivered(tp, delivered)
+        tail_unacked = (
+            last is not None
+            and last >= start
+            and (not acked or max(acked) < last)
+            and tp not in in_flight
+        )
+        target = detector.observe(
+            tp, position, delivered, start, first_missing=missing, tail_unacked=tail_unacked
+        )
+        if target is None:
+            continue
+        await consumer.refresh_log_start(tp)
+        target = consumer.resume_offset(tp) or target
+        log.warning(
+            "%s[%d]: fetched up to %s, read offset %s, first unacknowledged %s: re-reading from %d",
+            tp.topic, tp.partition, position, delivered, missing, target,
+        )
+        await consumer.seek(tp, target)
 
 
 async def _reread_fenced(consumer: GuardedConsumer, tp: Any, fence: int, start: int) -> None:

@@ -20,7 +20,9 @@ from typing import Any
 from aiokafka import TopicPartition
 
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.reachability import CONNECTION_ERRORS
 from pipeline.runtime import metrics
+from pipeline.runtime.reachability import BROKER
 
 log = logging.getLogger("xidflow.lag")
 
@@ -150,6 +152,9 @@ class LagMonitor:
                     self._failing = False
                 except asyncio.CancelledError:
                     raise
+                except CONNECTION_ERRORS as exc:  # the broker's outage: said once by reachability.BROKER
+                    BROKER.failed(f"consumer lag: {type(exc).__name__}: {exc}")
+                    await self._close()  # a fresh connection next time
                 except Exception as exc:  # noqa: BLE001 - Kafka or network errors: metrics never stop the work
                     if not self._failing:
                         log.warning("consumer lag not read (%s: %s); retrying every %gs",

@@ -2,8 +2,8 @@
 
 ``render_shipped_config`` takes ``deploy/fluent-bit/fluent-bit.yaml`` as a user would deploy it and
 changes only what differs between a GPU node and this machine: file paths (storage, tail databases,
-the container log glob), the HTTP listener (loopback, a free port), topic names (the configurable
-prefix), Kafka and API server credentials, and, because tests never write to ``/dev/kmsg``, the kernel
+the container log glob, Fabric Manager's log file), the HTTP listener (loopback, a free port), topic names
+(the configurable prefix), Kafka and API server credentials, and, because tests never write to ``/dev/kmsg``, the kernel
 input: the ``kmsg`` input becomes the ``tail`` input the shipped file documents for kernel lines from a
 file, with one of its shipped parsers. ``shipped_config_drift`` lists every other difference, so a
 test can prove the two cannot drift apart.
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import signal
 import subprocess
 import time
@@ -39,18 +40,26 @@ KernelSource = Literal["kmsg", "file-lines", "file-kmsg"]
 # The shipped parser for each kind of kernel file (see the comment above `parsers:` in the shipped file).
 KERNEL_FILE_PARSERS: dict[str, str] = {"file-lines": "xidflow-kernel-line", "file-kmsg": "xidflow-kmsg-record"}
 
+FABRIC_MANAGER_TAG = "kernel.fabricmanager"
+"""The tag of the shipped tail input of Fabric Manager's log; ``KERNEL_MATCH`` routes it with the kernel's lines."""
+KERNEL_MATCH = "kernel*"
+"""The match of the kernel topic's filters and output: the ``kernel`` input and Fabric Manager's."""
+
 # (section path, key) pairs the rendering may change; anything else is drift.
 ALLOWED_CHANGES = frozenset({
     "service.storage.path", "service.http_listen", "service.http_port",
     "input[kernel]", "input[kube.*].path", "input[kube.*].db", "input[kube.*].read_from_head",
     "input[kube.*].refresh_interval",
+    # Fabric Manager's log: the file and its tail database move under the test's root, read as soon as written.
+    f"input[{FABRIC_MANAGER_TAG}].path", f"input[{FABRIC_MANAGER_TAG}].db",
+    f"input[{FABRIC_MANAGER_TAG}].read_from_head", f"input[{FABRIC_MANAGER_TAG}].refresh_interval",
     "filter[kubernetes].kube_url", "filter[kubernetes].kube_ca_file", "filter[kubernetes].kube_token_file",
     "filter[kubernetes].kube_meta_cache_ttl",
     # The tail input's tag is `kube.` + the file's path with '/' as '.': the prefix follows the moved glob.
     "filter[kubernetes].kube_tag_prefix",
-    "output[kernel].topics", "output[kube.*].topics",
+    f"output[{KERNEL_MATCH}].topics", "output[kube.*].topics",
     # The codec is what the codec tests vary (every codec Kafka allows must reach the worker).
-    "output[kernel].rdkafka.compression.codec", "output[kube.*].rdkafka.compression.codec",
+    f"output[{KERNEL_MATCH}].rdkafka.compression.codec", "output[kube.*].rdkafka.compression.codec",
 })
 # Output keys that carry Kafka credentials or the codec under test (librdkafka properties).
 RDKAFKA_PREFIX = "rdkafka."
@@ -64,6 +73,7 @@ class Render:
     kernel_source: KernelSource = "file-lines"
     kernel_glob: str | None = None  # default: <root>/kernel/*.log
     containers_glob: str | None = None  # default: <root>/containers/*.log
+    fabric_manager_log: str | None = None  # default: <root>/fabricmanager/fabricmanager.log
     kernel_topic: str = "gpu.logs.kernel"
     pods_topic: str = "gpu.logs.pods"
     http_port: int = 0
@@ -72,9 +82,19 @@ class Render:
 
 
 def kube_tag_prefix(containers_dir: str) -> str:
-    """The tag prefix the ``kube.*`` tail input gives files in ``containers_dir`` (Fluent Bit's tag expansion:
-    the path with '/' as '.', the leading one dropped): ``/var/log/containers`` -> ``kube.var.log.containers.``."""
-    return "kube." + containers_dir.strip("/").replace("/", ".") + "."
+    """The tag prefix the ``kube.*`` tail input gives files in ``containers_dir``.
+
+    Fluent Bit's tail input (``tag_compose`` in ``plugins/in_tail/tail_file.c``) appends the file's path to
+    the tag's prefix, turns ``/``, ``\\`` and ``:`` into ``.``, drops ``*`` and collapses a run of dots into
+    one, so a dot-leading folder such as ``~/.cache`` loses its dot: ``/root/.cache/c`` ->
+    ``kube.root.cache.c.``, ``/var/log/containers`` -> ``kube.var.log.containers.``. The kubernetes filter
+    finds no pod in a tag that does not start with its ``kube_tag_prefix`` and adds no metadata, silently.
+    This imitates a real program, so ``tests/integration/test_fluent_bit_tags.py`` holds it against the real
+    Fluent Bit's tags for paths with dot components, spaces, colons and long names.
+    """
+    tag = "kube." + containers_dir.replace("*", "") + "/"
+    tag = re.sub(r"[/\\:]", ".", tag)
+    return re.sub(r"\.{2,}", ".", tag)
 
 
 def load_shipped(path: Path = SHIPPED_CONFIG) -> dict[str, Any]:
@@ -102,6 +122,11 @@ def render_shipped_config(render: Render, shipped: Mapping[str, Any] | None = No
                 "refresh_interval": 1,
                 "storage.type": inp.get("storage.type", "filesystem"),
             }
+        elif inp["tag"] == FABRIC_MANAGER_TAG:
+            inp["path"] = render.fabric_manager_log or str(root / "fabricmanager" / "fabricmanager.log")
+            inp["db"] = str(root / "tail-fabricmanager.db")
+            inp["read_from_head"] = "true"
+            inp["refresh_interval"] = 1
         elif inp["name"] == "tail":
             inp["path"] = render.containers_glob or str(root / "containers" / "*.log")
             inp["db"] = str(root / "tail-containers.db")
@@ -115,7 +140,7 @@ def render_shipped_config(render: Render, shipped: Mapping[str, Any] | None = No
                 flt.update(render.kube)
                 flt["kube_meta_cache_ttl"] = "5s"
     for out in pipeline["outputs"]:
-        out["topics"] = render.kernel_topic if out["match"] == "kernel" else render.pods_topic
+        out["topics"] = render.kernel_topic if out["match"] == KERNEL_MATCH else render.pods_topic
         out.update({f"{RDKAFKA_PREFIX}{k}": v for k, v in render.rdkafka.items()})
     return config
 
@@ -165,6 +190,7 @@ class FluentBit:
         self.render.http_port = self.render.http_port or procs.free_port()
         (self.root / "kernel").mkdir(exist_ok=True)
         (self.root / "containers").mkdir(exist_ok=True)
+        (self.root / "fabricmanager").mkdir(exist_ok=True)
         self.config_path = self.root / "fluent-bit.yaml"
         self.config_path.write_bytes(yaml.safe_dump(render_shipped_config(self.render), sort_keys=False).encode())
         self.extra_env = dict(extra_env or {})

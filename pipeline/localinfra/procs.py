@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -25,10 +26,46 @@ def state_dict(obj: object) -> dict:
     return d
 
 
+LISTEN_PORTS_FROM = 10000
+"""The lowest port ``free_port`` picks (above the well-known and most registered services' ports)."""
+
+
+def ephemeral_range(path: Path = Path("/proc/sys/net/ipv4/ip_local_port_range")) -> tuple[int, int]:
+    """The ports the kernel gives outgoing connections (Linux's default when it cannot be read)."""
+    try:
+        low, high = (int(v) for v in path.read_text().split())
+    except (OSError, ValueError):
+        return 32768, 60999
+    return low, high
+
+
 def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """A loopback port free to listen on now, chosen below the kernel's ephemeral range.
+
+    A daemon is started on its port some time after the port is chosen (the control plane's last
+    components after the API server answers). A port of the ephemeral range may meanwhile become the
+    local end of any process's outgoing connection, and the daemon then fails with "address already
+    in use" (seen here: the controller-manager's port taken while the API server started). Ports below
+    that range are only ever taken by a listener that asks for them.
+    """
+    low, _high = ephemeral_range()
+    if low - LISTEN_PORTS_FROM >= 1000:
+        for _ in range(100):
+            port = random.randrange(LISTEN_PORTS_FROM, low)
+            if _bindable(port):
+                return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def port_open(port: int, host: str = "127.0.0.1") -> bool:

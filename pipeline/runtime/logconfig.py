@@ -61,9 +61,16 @@ def formatter(fmt: str) -> logging.Formatter:
 
 
 def configure(level: str, fmt: str) -> None:
-    """Configure the root logger (stderr), replacing whatever was configured before."""
+    """Configure the root logger (stderr), replacing whatever was configured before.
+
+    Its handler counts client libraries' failed attempts to reach a dependency instead of writing them
+    (``pipeline.runtime.reachability``): an outage is a few lines in every process.
+    """
+    from pipeline.runtime.reachability import ClientRetries
+
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(formatter(fmt))
+    handler.addFilter(ClientRetries())
     logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
 
 
@@ -74,8 +81,9 @@ def dict_config(level: str, fmt: str) -> dict[str, Any]:
         "version": 1,
         "disable_existing_loggers": False,
         "formatters": {"xidflow": spec},
+        "filters": {"reachability": {"()": "pipeline.runtime.reachability.ClientRetries"}},
         "handlers": {"stderr": {"class": "logging.StreamHandler", "stream": "ext://sys.stderr",
-                                "formatter": "xidflow"}},
+                                "formatter": "xidflow", "filters": ["reachability"]}},
         "root": {"level": level.upper(), "handlers": ["stderr"]},
     }
 

@@ -117,3 +117,31 @@ def test_actuator_command_runs_consumes_and_stops_on_sigterm(
             proc.kill()
         run(env.close())
         loop.close()
+
+
+def test_status_and_reset_say_nothing_but_their_answer(
+    kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]
+) -> None:
+    """Issue 37: both printed "Unclosed client session" (their HTTP session outlived its loop), and reset warned
+    that the signing key it never uses was not set. Real processes: the warnings come at their exit."""
+    import subprocess
+    import sys
+
+    env = Env(kafka_bootstrap, kubeconfig, unique)
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(ensure_topics(kafka_bootstrap, [env.topics.name("remediation_audit")], partitions=1))
+        (node,) = loop.run_until_complete(env.make_nodes(1))
+        cli_env = {
+            "PATH": "/usr/bin:/bin", "KUBECONFIG": kubeconfig, "KAFKA_BOOTSTRAP_SERVERS": kafka_bootstrap,
+            "XIDFLOW_TOPIC_PREFIX": env.topics.prefix, "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": env.selector,
+            "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace, "PYTHONWARNINGS": "default",
+        }
+        for args in (["status"], ["reset", "--node", node], ["breaker", "status"]):
+            done = subprocess.run([sys.executable, "-m", "pipeline.cli", *args], env=cli_env, capture_output=True,
+                                  text=True, timeout=120)
+            assert done.returncode == 0, (args, done.stdout, done.stderr)
+            assert "Unclosed" not in done.stderr and "XIDFLOW_SIGNING_KEY_FILE" not in done.stderr, (args, done.stderr)
+    finally:
+        loop.run_until_complete(env.close())
+        loop.close()

@@ -5,9 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import socketserver
-import threading
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime
 from urllib.parse import urlparse
@@ -24,6 +21,7 @@ from pipeline.actuator.testing import make_incident, node_events, publish, wait_
 from pipeline.kafka.admin import ensure_topics
 from pipeline.runtime.settings import KafkaSettings
 from schemas.records import DeadLetter, NodeRecovered, Outcome
+from tests.integration.relay import Relay
 from tests.integration.test_actuator_effects import Env, outcomes
 
 # A hang (an unbounded retry against a broken API server) fails in minutes, with its stack, not at 600 s.
@@ -174,49 +172,13 @@ async def test_breaker_trips_at_threshold_and_only_reset_closes_it(env: Env) -> 
     assert (await env.node(names[3]))["spec"]["unschedulable"] is True
 
 
-class _ThreadedRelay(socketserver.ThreadingTCPServer):
-    """A plain TCP relay to the API server (TLS passes through untouched)."""
-
-    daemon_threads = True
-    allow_reuse_address = True
-
-    def __init__(self, listen: tuple[str, int], upstream: tuple[str, int]) -> None:
-        self.upstream = upstream
-        super().__init__(listen, _RelayHandler)
-
-
-class _RelayHandler(socketserver.BaseRequestHandler):
-    def handle(self) -> None:
-        up = socket.create_connection(self.server.upstream)  # type: ignore[attr-defined]
-        down = self.request
-
-        def pipe(src: socket.socket, dst: socket.socket) -> None:
-            try:
-                while data := src.recv(65536):
-                    dst.sendall(data)
-            except OSError:
-                pass
-            finally:
-                with contextlib.suppress(OSError):
-                    dst.shutdown(socket.SHUT_WR)
-
-        back = threading.Thread(target=pipe, args=(up, down), daemon=True)
-        back.start()
-        pipe(down, up)
-        back.join()
-        up.close()
-
-
 async def test_api_server_down_for_a_while_is_retried_and_applied_later(env: Env, kubeconfig: str) -> None:
     """The actuator talks to the real API server through a TCP relay that is closed at first."""
     (name,) = await env.make_nodes(1)
     api_client = config.new_client_from_config(config_file=kubeconfig)
     target = urlparse(api_client.configuration.host)
-    relay_port_holder = await asyncio.start_server(lambda r, w: None, "127.0.0.1", 0)
-    relay_port = relay_port_holder.sockets[0].getsockname()[1]
-    relay_port_holder.close()
-    await relay_port_holder.wait_closed()
-    api_client.configuration.host = f"https://127.0.0.1:{relay_port}"
+    relay = Relay((target.hostname or "127.0.0.1", target.port or 443))  # not listening yet: the server is down
+    api_client.configuration.host = f"https://127.0.0.1:{relay.port}"
     act = Actuator(
         env.settings(worker_id="down"),
         KafkaSettings(KAFKA_BOOTSTRAP_SERVERS=env.bootstrap),
@@ -236,13 +198,11 @@ async def test_api_server_down_for_a_while_is_retried_and_applied_later(env: Env
 
     # The relay runs on threads of its own: it must keep forwarding even while the actuator's event
     # loop waits on its Kubernetes calls (sharing one loop made the test itself a deadlock risk).
-    server = _ThreadedRelay(("127.0.0.1", relay_port), (target.hostname, target.port))
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    relay.start()
     try:
         await asyncio.wait_for(handling, 60)
     finally:
-        server.shutdown()
-        server.server_close()
+        relay.cut()
     assert (await env.node(name))["spec"]["unschedulable"] is True
     assert ("cordon", "applied") in outcomes(await env.audit(), name)
 

@@ -340,6 +340,26 @@ async def test_openapi_document_and_health_are_served(served: ServedApi) -> None
         assert (resp.status, await resp.json()) == (200, {"status": "ok"})
 
 
+async def test_the_committed_openapi_document_is_the_one_a_default_actuator_serves(
+    kafka_bootstrap: str, kubeconfig: str, cluster: Cluster, unique: Callable[[str], str]
+) -> None:
+    """docs/openapi/decision-api.json, the document clients are pointed at, is what the API serves with the
+    default settings (only where it listens and who may call differ here; neither is in the document)."""
+    from pipeline.runtime.contractdocs import OPENAPI
+
+    topics = TopicNames(prefix=unique("api-doc") + ".")
+    settings = ApiSettings(host="127.0.0.1", port=0, tokens={"ops-portal": TOKEN},
+                           namespace=cluster.namespace(unique("api-ns")))
+    stop, base_url, _ = await start_api(kafka_bootstrap, kubeconfig, settings, topics)
+    try:
+        async with aiohttp.ClientSession() as session, session.get(base_url + "/openapi.json") as resp:
+            assert resp.status == 200
+            served = await resp.json()
+    finally:
+        await stop()
+    assert served == orjson.loads(OPENAPI.read_bytes())
+
+
 async def test_schemathesis_against_the_served_document(
     served: ServedApi, cluster: Cluster, unique: Callable[[str], str], tmp_path: Path
 ) -> None:

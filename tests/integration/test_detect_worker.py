@@ -124,3 +124,44 @@ async def test_multiline_fallen_off_bus_in_one_record_is_one_incident_in_every_s
         assert incident["kind"] == "gpu_fallen_off_bus", (shape, incident)
         assert (incident["pci"], incident["code"], incident["action"]) == ("0000:b3:00.0", 79, "REBOOT_NODE"), shape
     assert dead == []
+
+
+# Issue 36 through a real worker: a MIG instance's Xid, a driver line re-logged under dmesg -x's user facility (as
+# plain text, node from the key) and the CUDA error every rank prints when the GPU is gone (lines of
+# tests/corpus/: kernel_corpus 'mig-*', 'dmesg-decode-*'; pod_corpus 'cuda-devices-busy-or-unavailable-46').
+MIG_XID48 = ("NVRM: Xid (PCI:0000:3b:00 GPU-I:05 GPU-CI:00): 48, pid=2113, name=python3, An uncorrectable double "
+             "bit error (DBE) has been detected on GPU in the framebuffer at partition 1, subpartition 0.")
+RELOGGED_XID62 = ("user  :err   : [ 1331.000000] NVRM: Xid (PCI:0000:06:00): 62, pid='<unknown>', name=<unknown>, "
+                  "0000(0000) 00000000 00000000")
+GPU_GONE = "RuntimeError: CUDA error: all CUDA-capable devices are busy or unavailable"
+
+
+async def test_mig_instances_relogged_driver_lines_and_a_jobs_cuda_errors_through_the_worker(
+    override_worker: tuple[str, str],
+) -> None:
+    bootstrap, prefix = override_worker
+    node, now = node_name("i36"), time.time()
+    async with Pipeline(bootstrap, prefix) as pipe:
+
+        def events(kind: str) -> list[dict]:
+            return [e for e in pipe.seen["fault_events"] if e.get("node") == node and e.get("kind") == kind]
+
+        # The job's error first: held by the aggregation until kernel evidence of the node arrives.
+        await pipe.pod(node, GPU_GONE, now)
+        await pipe.wait_for(lambda: events("pod_error"), 60, "the pod line as a fault event")
+        [pod] = events("pod_error")
+        assert (pod["grade"], pod["name"], pod["action"]) == ("sympathetic", "cuda_devices_unavailable", "IGNORE")
+        assert (pod["detail"]["cuda_error"], pod["detail"]["cuda_error_code"]) == ("cudaErrorDevicesUnavailable", 46)
+        await pipe.kernel(node, MIG_XID48, now + 1)
+        await pipe.raw("logs_kernel", RELOGGED_XID62.encode(), node.encode())
+        await pipe.wait_for(lambda: len(pipe.incidents(node)) >= 2, 60, "two incidents")
+        by_code = {i["code"]: i for i in pipe.incidents(node)}
+    assert set(by_code) == {48, 62}, pipe.incidents(node)
+    mig = by_code[48]
+    assert (mig["gpu_instance"], mig["compute_instance"], mig["pci"], mig["action"]) == (
+        5, 0, "0000:3b:00.0", "RESET_GPU")
+    assert mig["signature"] == "xid:48:0000:3b:00.0/gi5"
+    # The job's error corroborates the first kernel evidence of the node; alone it opened nothing.
+    assert pod["id"] in mig["evidence_ids"] and "pod_error:sympathetic:cuda_devices_unavailable" in mig["signatures"]
+    relogged = by_code[62]
+    assert (relogged["pci"], relogged["action"], relogged["gpu_instance"]) == ("0000:06:00.0", "RESET_GPU", None)

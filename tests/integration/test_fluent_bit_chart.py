@@ -89,7 +89,7 @@ def test_the_charts_fluent_bit_config_is_the_shipped_file(values_name: str) -> N
     values = chart_values(VALUE_SETS[values_name])
     kafka = values["kafka"]
     chart = yaml.safe_load(chart_fluent_bit_config(VALUE_SETS[values_name]))
-    topics = {"kernel": kafka["topics"]["logsKernel"], "kube.*": kafka["topics"]["logsPods"]}
+    topics = {"kernel*": kafka["topics"]["logsKernel"], "kube.*": kafka["topics"]["logsPods"]}
     secured = kafka["security"]["protocol"] != "PLAINTEXT"
     for out in chart["pipeline"]["outputs"]:
         assert out.pop("brokers") == kafka["bootstrapServers"]

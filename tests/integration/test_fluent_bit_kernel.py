@@ -11,6 +11,9 @@ record form. What is proven here:
   three-line fallen-off-the-bus message, which Fluent Bit ships as three records, is one fault;
 - the prefilter regex as Fluent Bit's Onigmo runs it keeps every kernel fault line of the corpus and drops
   the noise;
+- Fabric Manager's log, tailed at the path the shipped file names (here under the test's root): Fluent Bit runs
+  while it does not exist, picks it up when it appears, ships its SXid report (not its INFO lines) to the kernel
+  topic, and the fault the driver's line and Fabric Manager's report both describe is one incident;
 - every Kafka codec librdkafka offers (gzip, snappy, lz4, zstd) reaches the worker and becomes an incident;
 - Kafka stopped for 30 s while lines are written (one node's storm larger than librdkafka's queue): Fluent Bit
   keeps them (librdkafka's queue, then chunks on disk) and delivers every one after, every node gets exactly one
@@ -143,6 +146,53 @@ async def test_kernel_files_in_dmesg_and_kmsg_form_become_incidents_on_the_right
     assert {k: kmsg_records[0][k] for k in ("sequence", "sec", "usec", "boot_id", "node")} == {
         "sequence": 1187, "sec": 538441, "usec": 7373, "boot_id": BOOT_ID, "node": kmsg_node}
     assert not [r for _, r in mine if any(noise in r["msg"] for noise in NOISE)]
+
+
+# One fault of the switch at 0000:86:00.0, as the NVSwitch driver prints it (constructed in its SXid format) and as
+# Fabric Manager reports it (leptonai/gpud fabric-manager log_matcher.go), with Fabric Manager's own INFO noise.
+SXID_DRIVER = "nvidia-nvswitch3: SXid (PCI:0000:86:00.0): 20034, Fatal, Link 33 LTSSM Fault Up"
+SXID_FABRIC_MANAGER = ("[Jul 23 2024 07:53:55] [ERROR] [tid 841] detected NVSwitch fatal error 20034 on fid 0 on "
+                       "NVSwitch pci bus id 00000000:86:00.0 physical id 3 port 33")
+FABRIC_MANAGER_INFO = ("[Feb 27 2025 14:10:02] [INFO] [tid 1808] multicast group 1 is allocated.",
+                       "Message payload details:Team release request: Team Handle:7be4cbdfbc4d0a3b Flags:0")
+
+
+async def test_fabric_managers_log_is_shipped_when_it_appears_and_its_report_is_the_kernels_fault(
+    fluent_bit: Path, kafka_bootstrap: str, worker_prefix: str, tmp_path: Path
+) -> None:
+    node = node_name("fm")
+    fb = start(tmp_path / "fm", node, kafka_bootstrap, worker_prefix)
+    fm_log = Path(fb.render.fabric_manager_log or fb.root / "fabricmanager" / "fabricmanager.log")
+    # No Fabric Manager log (a node without NVSwitches, or before it starts): Fluent Bit runs and ships the kernel.
+    assert not await asyncio.to_thread(fm_log.exists) and fb.alive()
+    try:
+        async with Pipeline(kafka_bootstrap, worker_prefix) as pipe:
+            fb.write("kern.log", dmesg(1108.858286, SXID_DRIVER))
+            await wait_incidents(pipe, {node: has_code(20034)}, [fb])
+            # Fabric Manager starts and reports the same fault seconds later.
+            fb.write(fm_log.name, *FABRIC_MANAGER_INFO, SXID_FABRIC_MANAGER, folder=fm_log.parent.name)
+
+            def reports() -> list[dict]:
+                return [e for e in pipe.seen["fault_events"] if e.get("node") == node and e.get("code") == 20034]
+
+            await pipe.wait_for(lambda: len(reports()) == 2, 60, "Fabric Manager's report as a fault event")
+            assert sorted(e["reporter"] for e in reports()) == ["driver", "fabric_manager"]
+            assert {(e["kind"], e["pci"], e["link"], e["fatal"]) for e in reports()} == {
+                ("sxid", "0000:86:00.0", 33, True)}
+            await pipe.sentinel(node, time.time())
+            assert [(i["code"], i["count"]) for i in incidents_of(pipe, node) if i.get("code") == 20034] == [(20034, 1)]
+            assert fb.alive(), fb.log_tail()
+    finally:
+        fb.stop()
+    # On the kernel topic, keyed by node: the report and the driver's line; none of Fabric Manager's INFO lines.
+    records = await read_all(kafka_bootstrap, TopicNames(prefix=worker_prefix).name("logs_kernel"))
+    mine = [orjson.loads(v) for k, v in records if k == node.encode()]
+    mine = [r for r in mine if "hostname" not in r]  # Fluent Bit's (the test's sentinel names a hostname)
+    shipped = [r["msg"] for r in mine]
+    assert sorted(shipped) == sorted([dmesg(1108.858286, SXID_DRIVER), SXID_FABRIC_MANAGER]), shipped
+    assert {r["node"] for r in mine} == {node}
+    # The boot-id Lua filter runs on kmsg's tag only: Fabric Manager's file may hold lines of an earlier boot.
+    assert [r.get("boot_id") for r in mine if r["msg"] == SXID_FABRIC_MANAGER] == [None]
 
 
 def _corpus_fault_lines() -> list[str]:

@@ -14,7 +14,8 @@ recent ``limit`` entries since ``start``, sent oldest first, as Loki's querier d
 query reversed), ``delay_for`` (<= 5), HTTP 400 on bad parameters, then live entries as they are
 pushed; messages ``{"streams": [{"stream": labels, "values": [[ts, line]]}], "dropped_entries": [...]}``.
 It drops connections abruptly at configured points, mid-way through a group of entries sharing a
-timestamp, so that resuming must skip exactly what was already produced.
+timestamp, so that resuming must skip exactly what was already produced. Its selector matching and its
+refusals are held against the real Loki (``test_the_stand_in_selects_and_refuses_as_the_real_loki``).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import logging
 import os
 import re
 import ssl
@@ -45,6 +47,7 @@ from pipeline.ingest.adapters import decode_record
 from pipeline.ingest.loki_tail import Backoff, LokiAuth, LokiRequestRejected, LokiTailBridge
 from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.loki import LokiServer, push_lines
+from pipeline.runtime.reachability import LOKI
 from schemas.records import DeadLetter
 
 pytestmark = pytest.mark.integration
@@ -115,15 +118,13 @@ class LokiTailServer:
         params = parse_qs(parts.query)
         try:
             parse_selector(params["query"][0])
-            limit = int(params.get("limit", ["100"])[0])
+            int(params.get("limit", ["100"])[0])
             delay_for = int(params.get("delay_for", ["0"])[0])
             int(params.get("start", ["0"])[0])
         except (KeyError, ValueError) as exc:
             return connection.respond(HTTPStatus.BAD_REQUEST, f"bad request: {exc}\n")
         if delay_for > 5:
             return connection.respond(HTTPStatus.BAD_REQUEST, "delay_for can't be greater than 5\n")
-        if limit > 5000:
-            return connection.respond(HTTPStatus.BAD_REQUEST, "max entries limit per query exceeded\n")
         return None
 
     async def _handle(self, ws: ServerConnection) -> None:
@@ -307,23 +308,57 @@ async def test_bridge_resumes_without_gaps_or_duplicates(kafka_bootstrap: str, u
     assert "no 'node' label" in dead_records[0].reason and dead_records[0].stage == "loki-tail"
 
 
-async def test_server_rejects_what_loki_rejects() -> None:
-    """The test server's request checks, so the bridge is exercised against Loki's real contract."""
+async def _tail_answer(base: str, query: str, headers: dict[str, str], quiet_s: float = 2.0,
+                       **params: int) -> tuple[int, set[str]]:
+    """(HTTP status, lines sent) of a tail request from one hour ago, read until ``quiet_s`` pass without one."""
+    from urllib.parse import urlencode
+
     from websockets.asyncio.client import connect
     from websockets.exceptions import InvalidStatus
 
-    async with LokiTailServer(batch_size=10, drop_after_messages=[]) as server:
-        base = f"ws://127.0.0.1:{server.port}"
-        for path, status in [
-            ("/loki/api/v1/tail?query=%7Bjob%3D%22x%22%7D&delay_for=6", 400),
-            ("/loki/api/v1/tail?limit=5", 400),
-            ("/loki/api/v1/tail?query=%7Bjob%3D%22x%22%7D&limit=5001", 400),
-            ("/loki/api/v1/query?query=%7Bjob%3D%22x%22%7D", 404),
+    query_string = urlencode({"query": query, "start": time.time_ns() - 3600 * 10**9, "limit": 100, **params})
+    url = f"{base.replace('http', 'ws', 1)}/loki/api/v1/tail?{query_string}"
+    lines: set[str] = set()
+    try:
+        async with connect(url, additional_headers=headers) as ws:
+            with contextlib.suppress(TimeoutError):
+                while True:
+                    message = orjson.loads(await asyncio.wait_for(ws.recv(), quiet_s))
+                    lines |= {line for s in message.get("streams", []) for _, line in s["values"]}
+    except InvalidStatus as exc:
+        return exc.response.status_code, lines
+    return 101, lines
+
+
+async def test_the_stand_in_selects_and_refuses_as_the_real_loki(loki: LokiServer) -> None:
+    """``LokiTailServer`` imitates Loki's tail contract (its selector matching, its 400s), so what it does is
+    asked of the real Loki too: the same streams pushed to both, the same requests, the same answers."""
+    run = f"r{uuid.uuid4().hex[:8]}"
+    streams = {"a-x": {"run": run, "node": "a", "job": "x"}, "b-x": {"run": run, "node": "b", "job": "x"},
+               "a-y": {"run": run, "node": "a", "job": "y"}}
+    now = time.time_ns()
+    async with LokiTailServer(batch_size=10, drop_after_messages=[]) as stand_in:
+        for n, (name, labels) in enumerate(streams.items()):
+            push_lines(loki.url, labels, [(now + n, f"line of {name}")], tenant=TENANT)
+            await stand_in.push(labels, now + n, f"line of {name}")
+        real_headers = {"X-Scope-OrgID": TENANT}
+        for query, want in [
+            (f'{{run="{run}", node="a"}}', {"line of a-x", "line of a-y"}),
+            (f'{{run="{run}",job="x"}}', {"line of a-x", "line of b-x"}),
+            (f'{{ run = "{run}" , node="a", job="y" }}', {"line of a-y"}),
+            (f'{{run="{run}", node="nobody"}}', set()),
         ]:
-            with pytest.raises(InvalidStatus) as err:
-                async with connect(base + path):
-                    pass
-            assert err.value.response.status_code == status, path
+            real = await _tail_answer(loki.url, query, real_headers)
+            imitated = await _tail_answer(stand_in.url, query, {})
+            assert real == imitated == (101, want), (query, real, imitated)
+        for query, extra, status in [
+            (f'{{run="{run}"}}', {"delay_for": 6}, 400), ("not a selector", {}, 400), ("{}", {}, 400), ("", {}, 400),
+            # Loki's max_entries_limit_per_query (5000) bounds queries, not a tail's replay: a larger limit is taken.
+            (f'{{run="{run}"}}', {"limit": 5001}, 101),
+        ]:
+            real_status, _ = await _tail_answer(loki.url, query, real_headers, 0.5, **extra)
+            imitated_status, _ = await _tail_answer(stand_in.url, query, {}, 0.5, **extra)
+            assert real_status == imitated_status == status, (query, extra, real_status, imitated_status)
 
 
 async def test_bridge_fails_fast_when_loki_rejects_the_query(kafka_bootstrap: str, unique) -> None:
@@ -429,7 +464,7 @@ async def test_real_loki_lines_reach_incidents_through_the_loki_tail_command(
 
 
 async def test_loki_restarted_mid_stream_no_gap_no_duplicate_and_bridge_resumes(
-    loki: LokiServer, kafka_bootstrap: str, unique
+    loki: LokiServer, kafka_bootstrap: str, unique, caplog: pytest.LogCaptureFixture
 ) -> None:
     topic, dead_topic = unique("loki-real"), unique("loki-real-dead")
     await ensure_topics(kafka_bootstrap, [topic, dead_topic], partitions=3)
@@ -455,12 +490,19 @@ async def test_loki_restarted_mid_stream_no_gap_no_duplicate_and_bridge_resumes(
     try:
         batch("before")
         await wait_until(lambda: bridge.stats.produced >= 10, "lines before the restart", task)
+        caplog.clear()
+        caplog.set_level(logging.INFO)
         await asyncio.to_thread(loki.stop)  # Loki goes away mid-stream...
         await asyncio.sleep(1)
         await asyncio.to_thread(loki.start)  # ...and comes back on the same data (WAL replayed)
         batch("after-loki-restart")
         await wait_until(lambda: bridge.stats.produced >= 20, "lines after Loki's restart", task)
         assert bridge.stats.connections >= 2
+        # Its outage is said as a state change (pipeline.runtime.reachability.LOKI), not once per reconnection.
+        said = [r.getMessage() for r in caplog.records if r.name.startswith("pipeline.ingest.loki_tail")
+                and r.levelno >= logging.WARNING]
+        assert not said, said
+        await wait_until(lambda: not LOKI.down, "Loki said to be back", task)
     finally:
         stop.set()
         await asyncio.wait_for(task, 30)

@@ -1,6 +1,7 @@
 """rsyslog for real: Debian's rsyslogd with omkafka reads a kernel-style log file (imfile) and produces to
 the raw kernel topic, once in rsyslog's default form (no Kafka key; the host only in the syslog header)
-and once in a JSON template form. A real worker process turns both into incidents on the right node.
+and once with the shipped recipe (deploy/rsyslog/60-xidflow.conf: JSON, keyed by node, murmur2 partitions).
+A real worker process turns both into incidents on the right node.
 
 rsyslogd and omkafka come from Debian's ``rsyslog`` and ``rsyslog-kafka`` packages; the fixture installs
 them when missing (``pipeline.localinfra.rsyslog``, what ``make infra`` runs) and fails if it cannot.
@@ -14,9 +15,10 @@ import uuid
 from pathlib import Path
 
 import pytest
+from aiokafka.partitioner import DefaultPartitioner
 
 from pipeline.localinfra import procs
-from pipeline.localinfra.rsyslog import RsyslogDist
+from pipeline.localinfra.rsyslog import RsyslogDist, render_shipped_recipe
 from pipeline.runtime.settings import TopicNames
 from tests.integration.test_pipeline import Pipeline
 
@@ -25,42 +27,41 @@ pytestmark = pytest.mark.integration
 XID_79 = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 XID_48 = "NVRM: Xid (PCI:0000:b7:00): 48, pid=2331, name=python, An uncorrectable double bit error"
 
-JSON_TEMPLATE = """
-template(name="xidflow_json" type="list" option.jsonf="on") {
-  property(outname="@timestamp" name="timereported" dateFormat="rfc3339" format="jsonf")
-  property(outname="host" name="hostname" format="jsonf")
-  property(outname="programname" name="programname" format="jsonf")
-  property(outname="severity" name="syslogseverity-text" format="jsonf")
-  property(outname="message" name="msg" format="jsonf")
-}
-"""
-
-
 class Rsyslogd:
-    """One rsyslogd (foreground, own config/pid/work dir) shipping one file to Kafka as ``hostname``."""
+    """One rsyslogd (foreground, own config/pid/work dir) shipping one file to Kafka as ``hostname``.
+
+    ``form`` "shipped" runs the shipped recipe (deploy/rsyslog/60-xidflow.conf, only the broker list, topic and
+    codec changed); None is omkafka's default form, as a user who wrote their own action without our recipe
+    gets it (no Kafka key, the host only in the syslog header).
+    """
 
     def __init__(self, dist: RsyslogDist, root: Path, hostname: str, bootstrap: str, topic: str,
-                 template: str | None, *, partition: int | None = None, codec: str | None = None) -> None:
+                 form: str | None, *, partition: int | None = None, codec: str | None = None) -> None:
         self.dist, self.root, self.hostname = dist, root, hostname
         root.mkdir(parents=True)
         (root / "work").mkdir()
         self.log_file = root / "kern.log"
         self.log_file.touch()
-        action_template = f' template="{template}"' if template else ""  # none: omkafka's default form
-        if partition is not None:
-            action_template += f' partitions.usefixed="{partition}"'
         conf_params = [f"compression.codec={codec}"] if codec else []  # librdkafka compresses the batches
-        conf_params += ["queue.buffering.max.ms=10", "acks=all"]
+        conf_params += ["queue.buffering.max.ms=10"]
+        if form == "shipped":
+            assert partition is None, "the shipped recipe partitions by key"
+            (root / "60-xidflow.conf").write_text(render_shipped_recipe(bootstrap, topic, conf_params))
+            output = f'include(file="{root / "60-xidflow.conf"}")'
+            ruleset = ""
+        else:
+            assert form is None, form
+            fixed = f' partitions.usefixed="{partition}"' if partition is not None else ""
+            params = ", ".join(f'"{p}"' for p in [*conf_params, "acks=all"])
+            output = (f'module(load="omkafka")\nruleset(name="to_kafka") {{\n'
+                      f'  action(type="omkafka" broker=["{bootstrap}"] topic="{topic}"'
+                      f"{fixed} confParam=[{params}])\n}}")
+            ruleset = ' ruleset="to_kafka"'
         (root / "rsyslog.conf").write_text(f"""
 global(workDirectory="{root / 'work'}" localHostname="{hostname}")
 module(load="imfile")
-module(load="omkafka")
-{JSON_TEMPLATE}
-input(type="imfile" file="{self.log_file}" tag="kernel:" facility="kern" severity="err" ruleset="to_kafka")
-ruleset(name="to_kafka") {{
-  action(type="omkafka" broker=["{bootstrap}"] topic="{topic}"{action_template}
-         confParam=[{", ".join(f'"{p}"' for p in conf_params)}])
-}}
+input(type="imfile" file="{self.log_file}" tag="kernel:" facility="kern" severity="err"{ruleset})
+{output}
 """)
         self.proc: subprocess.Popen | None = None
 
@@ -83,7 +84,7 @@ ruleset(name="to_kafka") {{
         procs.terminate(self.proc, 20)
 
 
-async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node(
+async def test_rsyslog_default_form_and_the_shipped_recipe_become_incidents_on_the_right_node(
     rsyslog: RsyslogDist, kafka_bootstrap: str, worker_prefix: str, tmp_path: Path
 ) -> None:
     topics = TopicNames(prefix=worker_prefix)
@@ -91,7 +92,7 @@ async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node
     plain_node, json_node = f"rsys-plain-{uuid.uuid4().hex[:6]}", f"rsys-json-{uuid.uuid4().hex[:6]}"
     daemons = [
         Rsyslogd(rsyslog, tmp_path / "plain", plain_node, kafka_bootstrap, raw_topic, None).start(),
-        Rsyslogd(rsyslog, tmp_path / "json", json_node, kafka_bootstrap, raw_topic, "xidflow_json").start(),
+        Rsyslogd(rsyslog, tmp_path / "json", json_node, kafka_bootstrap, raw_topic, "shipped").start(),
     ]
     try:
         async with Pipeline(kafka_bootstrap, worker_prefix) as pipe:
@@ -139,3 +140,8 @@ async def test_rsyslog_default_and_json_forms_become_incidents_on_the_right_node
     assert plain and all(r.key is None for r in plain)
     assert plain[0].value.split(b" ")[1] == plain_node.encode()  # "<rfc3339 time> <host> kernel: ..."
     assert as_json and as_json[0].value.startswith(b"{") and b'"host":' in as_json[0].value
+    # The shipped recipe keys by node and partitions as Kafka's default partitioner does (murmur2), as the
+    # shipped Fluent Bit does (tests/integration/test_shipper_partitions.py).
+    every = list(range(len(parts)))
+    assert all(r.key == json_node.encode() for r in as_json)
+    assert {r.partition for r in as_json} == {DefaultPartitioner()(json_node.encode(), every, every)}

@@ -10,6 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipeline.actuator.api import ApiSettings, TokenFileError, TokenStore, read_token_file
+from pipeline.actuator.effects import REBOOT_IMAGE
 from pipeline.cli import cli
 
 SECRET = "s3cr3t-token-value-4711"
@@ -82,6 +83,19 @@ def test_a_missing_token_file_serves_401_to_everyone(tmp_path: Path) -> None:
     assert store.identify(f"Bearer {SECRET}") == "ops"  # a Secret mounted later is picked up
 
 
+def test_deleting_the_token_file_revokes_its_tokens(tmp_path: Path) -> None:
+    """Issue 37: the setting promises 401 while the file is missing; a deleted file used to keep its tokens."""
+    token_file = tmp_path / "tokens"
+    token_file.write_text("ops:s3cret\n")
+    store = TokenStore({"static": "always"}, token_file)
+    assert store.load() == 2 and store.identify("Bearer s3cret") == "ops"
+    token_file.unlink()
+    assert store.identify("Bearer s3cret") is None  # 401
+    assert store.identify("Bearer always") == "static"  # XIDFLOW_API_TOKENS is not the file's
+    token_file.write_text("ops:n3w\n")  # the Secret created again
+    assert store.identify("Bearer n3w") == "ops" and store.identify("Bearer s3cret") is None
+
+
 def test_a_token_header_that_is_not_utf8_is_refused_not_an_error() -> None:
     store = TokenStore({"ops": SECRET})
     assert store.identify("Bearer \udcff\udcfe") is None
@@ -90,12 +104,12 @@ def test_a_token_header_that_is_not_utf8_is_refused_not_an_error() -> None:
 def test_an_unsafe_operator_job_template_is_refused_at_start(tmp_path: Path) -> None:
     template = tmp_path / "reboot.yaml"
     template.write_text(
-        "apiVersion: batch/v1\nkind: Job\nspec:\n  template:\n    spec:\n      containers:\n"
-        "      - {name: r, image: busybox, command: [reboot]}\n"
+        "apiVersion: batch/v1\nkind: Job\nspec:\n  backoffLimit: 0\n  template:\n    spec:\n      containers:\n"
+        f"      - {{name: r, image: '{REBOOT_IMAGE}', command: [reboot]}}\n"
         "      volumes: [{name: t, secret: {secretName: xidflow-api-tokens}}]\n"
     )
     code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE": str(template)})
     assert code != 0
-    assert f"reboot Job template {template}: spec.template.spec.volumes[0]" in out
+    assert f"reboot Job template {template}: spec.template.spec.volumes: not allowed" in out
     code, out = run(["actuator"], {"XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE": str(tmp_path / "missing.yaml")})
     assert code != 0 and "XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE" in out and "no such file" in out

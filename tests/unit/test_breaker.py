@@ -66,3 +66,17 @@ def test_a_large_batch_trips_at_exactly_the_limit() -> None:
     assert len(allowed) == 1 + 1999 and decisions["q0"].allowed
     assert decisions["n1999"].tripped_now and "5001 of 10000" in state["reason"]
     assert set(state["admitted"]) == {"old", *(f"n{i}" for i in range(1999))}
+
+
+def test_nodes_admitted_outside_the_fleet_selector_do_not_count() -> None:
+    """Issue 37: after the fleet selector changed, the nodes admitted under the old one filled the share."""
+    state: dict[str, Any] = {"admitted": {"old-1": NOW - 10, "old-2": NOW - 5}}
+    fleet = {"a", "b", "c", "d"}
+    got = decide_admissions(state, ["a"], 4, 0.5, 300, NOW, members=fleet)
+    assert got["a"].allowed  # a alone counts: 1 of 4 (with the old ones it was 3 of 4, a trip)
+    assert set(state["admitted"]) == {"old-1", "old-2", "a"}  # kept in the window: the selector may change back
+    got = decide_admissions(state, ["b", "c"], 4, 0.5, 300, NOW + 1, members=fleet)
+    assert got["b"].allowed and not got["c"].allowed and got["c"].tripped_now
+    assert "3 of 4" in state["reason"] and "2 admitted within" in state["reason"]  # a and b, not the old ones
+    # Members unknown (no list yet): every admission in the window counts, as before.
+    assert not decide_admissions({"admitted": {"x": NOW, "y": NOW}}, ["a"], 4, 0.5, 300, NOW)["a"].allowed

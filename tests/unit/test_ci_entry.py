@@ -1,4 +1,4 @@
-"""CI runs the README's test command and nothing else: a fresh machine that follows the README gets what CI got."""
+"""CI runs the README's two commands and nothing else: a fresh machine that follows the README gets what CI got."""
 
 from __future__ import annotations
 
@@ -17,9 +17,16 @@ def _commands(script: str) -> list[str]:
     return [line.strip() for line in script.splitlines() if line.strip() and not line.strip().startswith("#")]
 
 
-def test_ci_runs_the_readme_test_command() -> None:
-    assert "make test" in README
-    assert [c for c in _commands(CI) if c.startswith("make")] == ["make test"]
+def test_ci_runs_the_readme_test_command_then_the_demo() -> None:
+    """`make test` first, then `make demo` exactly as the README writes it (no arguments, default paths)."""
+    assert "make test" in README and "make demo" in README
+    assert [c for c in _commands(CI) if c.startswith("make")] == ["make test", "make demo"]
+    assert "XIDFLOW_STATE_DIR" not in CI and "XIDFLOW_CACHE_DIR" not in CI
+
+
+def test_ci_stops_what_the_demo_leaves_running_with_the_readmes_command() -> None:
+    assert "local down" in README
+    assert any(c.startswith(".venv/bin/xidflow local down") for c in _commands(CI))
 
 
 def test_ci_installs_nothing_of_its_own() -> None:

@@ -103,3 +103,25 @@ def test_an_unexpected_failure_is_one_sentence_not_a_traceback() -> None:
     code, out = run(["classify", "--format", "json", "-"], {"XIDFLOW_CATALOG_OVERRIDES": "{not json"})
     assert code != 0
     assert "Traceback" not in out and out.strip().count("\n") <= 2, out
+
+
+@pytest.mark.parametrize(
+    ("variable", "content", "said"),
+    [
+        ("XIDFLOW_CATALOG_OVERRIDES", b"\xff\xfe\x00binary", "not UTF-8 text (byte 0"),
+        ("XIDFLOW_CATALOG_PATH", b"xid:\n  13: {action: \xe9}\n", "not UTF-8 text (byte 20"),
+        ("XIDFLOW_ACTUATOR_POLICY_FILE", b"kind: RescuePolicy\nmetadata: {name: \xe9}\n", "not UTF-8 text (byte 36"),
+        ("XIDFLOW_ACTUATOR_POLICY_FILE", b"", "holds no RescuePolicy or WarmStandbyPolicy document"),
+        ("XIDFLOW_ACTUATOR_POLICY_FILE", b"# every policy commented out\n---\n", "holds no RescuePolicy"),
+    ],
+)
+def test_a_configuration_file_that_cannot_be_used_is_named_with_its_variable(
+    tmp_path: Path, variable: str, content: bytes, said: str
+) -> None:
+    """Issue 37: a binary catalog override and a non-UTF-8 policy file named neither; an empty policy file
+    was taken silently (the built-in rule alone in force)."""
+    path = tmp_path / "file.yaml"
+    path.write_bytes(content)
+    code, out = run(["actuator", "--no-api"], {variable: str(path)})
+    assert code != 0
+    assert variable in out and str(path) in out and said in out and "Traceback" not in out, out

@@ -133,9 +133,10 @@ def test_classify_at_80_columns_piped_prints_whole_names_one_row_per_fault(tmp_p
     result = CliRunner(env={"COLUMNS": "80"}).invoke(cli, ["classify", str(log)])
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()
-    assert lines[0].split() == ["LINE", "KIND", "CODE", "PCI", "ACTION", "QUARANTINE", "SEVERITY", "NAME"]
+    assert lines[0].split() == ["LINE", "KIND", "CODE", "PCI", "ACTION", "QUARANTINE", "SEVERITY", "NAME", "DETAIL"]
     assert len(lines) == 4  # one line per fault: nothing wraps letter by letter
     assert "ROBUST_CHANNEL_GPU_HAS_FALLEN_OFF_THE_BUS" in lines[1] and lines[2].split()[2] == "22013"
+    assert lines[2].split()[-1] == "reporter=driver" and lines[1].split()[-1] == "-"  # DETAIL: who printed the SXid
     assert "3 fault(s) recognised" in result.stderr
 
 

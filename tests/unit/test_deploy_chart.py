@@ -278,6 +278,25 @@ def test_chart_fluent_bit_config_is_the_standalone_one(default_docs: list[dict])
     assert json.dumps(chart, sort_keys=True) == json.dumps(standalone, sort_keys=True)
 
 
+def _fluent_bit_inputs(docs: list[dict]) -> dict[str, dict]:
+    config = yaml.safe_load(one(docs, "ConfigMap", "-fluent-bit")["data"]["fluent-bit.yaml"])
+    return {i["tag"]: i for i in config["pipeline"]["inputs"]}
+
+
+def test_fabric_managers_log_is_tailed_where_the_values_say(default_docs: list[dict]) -> None:
+    """Default: /var/log/fabricmanager.log, inside the /var/log mount. Elsewhere: its folder is mounted read-only."""
+    assert _fluent_bit_inputs(default_docs)["kernel.fabricmanager"]["path"] == "/var/log/fabricmanager.log"
+    daemonset = one(default_docs, "DaemonSet", "-fluent-bit")
+    assert not [v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == "fabricmanager-log"]
+    docs = render(**{"fluentBit.fabricManagerLogPath": "/run/nvidia/fm/fabricmanager.log"})
+    assert _fluent_bit_inputs(docs)["kernel.fabricmanager"]["path"] == "/run/nvidia/fm/fabricmanager.log"
+    daemonset = one(docs, "DaemonSet", "-fluent-bit")
+    volume = next(v for v in daemonset["spec"]["template"]["spec"]["volumes"] if v["name"] == "fabricmanager-log")
+    assert volume["hostPath"]["path"] == "/run/nvidia/fm"
+    mount = next(m for m in container(daemonset)["volumeMounts"] if m["name"] == "fabricmanager-log")
+    assert (mount["mountPath"], mount["readOnly"]) == ("/run/nvidia/fm", True)
+
+
 def test_components_can_be_turned_off() -> None:
     docs = render(**{"worker.enabled": False, "probe.enabled": False, "fluentBit.enabled": False,
                      "actuator.enabled": False})

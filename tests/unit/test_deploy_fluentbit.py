@@ -53,6 +53,10 @@ KERNEL_FAULTS = [
     "nvidia-nvswitch3: SXid (PCI:0000:87:00.0): 12028, Non-fatal, Link 46 egress non-posted PRIV error",
     "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Fatal, Link 30 LTSSM Fault Up",
     "nvidia-nvswitch0: SXid (PCI:0000:05:00.0): 20034, Severity 1 Engine instance 30 Sub-engine instance 00",
+    "[Jul 09 2024 18:14:07] [ERROR] [tid 12727] detected NVSwitch non-fatal error 12028 on fid 0 on NVSwitch pci bus "
+    "id 00000000:86:00.0 physical id 3 port 61",
+    "NVRM: Xid (PCI:0000:01:00 GPU-I:05): 94, pid=7194, Contained: CE User Channel (0x9). RST: No, D-RST: No",
+    "user  :err   : [ 1331.000000] NVRM: Xid (PCI:0000:06:00): 62, pid='<unknown>', name=<unknown>, 0000(0000)",
     "python[12345]: segfault at 7f3a2c000000 ip 00007f3a3b2e1f00 sp 00007ffd9a8c0a10 error 4 in "
     "libnccl.so.2.19.3[7f3a3a000000+1c00000]",
 ]
@@ -74,6 +78,13 @@ POD_FAULTS = [
     "ncclRemoteError: A call failed possibly due to a network error or a remote process exiting prematurely. "
     "remote process exited or there was a network error",
     "node-7:1234:1240 [0] NCCL INFO NET/IB : Got completion with error 12, opcode 0, len 0",
+    # The CUDA errors of a job whose GPU is gone (issue 36), in each spelling that names no "CUDA error".
+    "gpu47:4962:5097 [1] transport/nvls.cc:223 NCCL WARN Cuda failure 999 'unknown error'",
+    "[rank0]: Cuda failure 999 'unknown error'",
+    "THCudaCheck FAIL file=..\\aten\\src\\THC\\THCGeneral.cpp line=87 error=30 : unknown error",
+    "luajit: cuda runtime error (30) : unknown error at /tmp/luarocks_cutorch-scm-1-9927/cutorch/lib/THC/"
+    "THCStorage.c:113",
+    "CUDA-capable device(s) is/are busy or unavailable",
 ]
 
 NOISE = [
@@ -93,11 +104,16 @@ NOISE = [
 
 
 def test_config_parses_with_the_pipeline_the_adapters_expect(config: dict) -> None:
-    inputs = {i["name"]: i for i in config["pipeline"]["inputs"]}
-    assert inputs["kmsg"]["tag"] == "kernel"
-    assert inputs["tail"]["tag"] == "kube.*"
-    assert inputs["tail"]["path"] == "/var/log/containers/*.log"
-    assert "cri" in inputs["tail"]["multiline.parser"]
+    inputs = {i["tag"]: i for i in config["pipeline"]["inputs"]}
+    assert inputs["kernel"]["name"] == "kmsg"
+    assert inputs["kube.*"]["name"] == "tail"
+    assert inputs["kube.*"]["path"] == "/var/log/containers/*.log"
+    assert "cri" in inputs["kube.*"]["multiline.parser"]
+    # Fabric Manager's log at its default path, read into `msg` like a kernel file, routed with the kernel's lines.
+    fabric_manager = inputs["kernel.fabricmanager"]
+    assert (fabric_manager["name"], fabric_manager["path"]) == ("tail", "/var/log/fabricmanager.log")
+    assert fabric_manager["parser"] == "xidflow-kernel-line"
+    assert fabric_manager["db"].startswith("/var/fluent-bit/state/")
     filters = config["pipeline"]["filters"]
     names = [f["name"] for f in filters]
     # prefilter before the kubernetes lookup, node name on everything
@@ -106,7 +122,7 @@ def test_config_parses_with_the_pipeline_the_adapters_expect(config: dict) -> No
     kube = next(f for f in filters if f["name"] == "kubernetes")
     assert kube["match"] == "kube.*" and kube["kube_tag_prefix"] == "kube.var.log.containers."
     outputs = {o["match"]: o for o in config["pipeline"]["outputs"]}
-    assert outputs["kernel"]["topics"] == "gpu.logs.kernel"
+    assert outputs["kernel*"]["topics"] == "gpu.logs.kernel"  # the kmsg input's lines and Fabric Manager's
     assert outputs["kube.*"]["topics"] == "gpu.logs.pods"
     for out in outputs.values():
         assert out["name"] == "kafka"
@@ -117,19 +133,19 @@ def test_config_parses_with_the_pipeline_the_adapters_expect(config: dict) -> No
 
 
 def test_grep_keys_are_the_fields_each_input_produces(config: dict) -> None:
-    assert _grep(config, "kernel")[0] == "msg"  # kmsg records: msg, priority, sec, usec
+    assert _grep(config, "kernel*")[0] == "msg"  # kmsg records: msg, priority, sec, usec
     assert _grep(config, "kube.*")[0] == "log"  # tail + cri/docker parsers: log
 
 
 def test_both_inputs_share_one_regex_and_the_chart_uses_it(config: dict) -> None:
-    kernel = _grep(config, "kernel")[1].pattern
+    kernel = _grep(config, "kernel*")[1].pattern
     assert kernel == _grep(config, "kube.*")[1].pattern
     values = yaml.safe_load(VALUES.read_text())
     assert values["fluentBit"]["prefilterRegex"] == kernel
 
 
 def test_regex_stays_in_the_onigmo_python_common_subset(config: dict) -> None:
-    pattern = _grep(config, "kernel")[1].pattern
+    pattern = _grep(config, "kernel*")[1].pattern
     # Only literal text, '|' alternatives and [..] classes of letters: no flags, groups, escapes,
     # anchors, look-arounds, quantifiers or POSIX classes, where the two engines could differ.
     assert re.fullmatch(r"(?:[A-Za-z0-9_ :\-]|\[[A-Za-z]+\])+(?:\|(?:[A-Za-z0-9_ :\-]|\[[A-Za-z]+\])+)*", pattern)
@@ -138,7 +154,7 @@ def test_regex_stays_in_the_onigmo_python_common_subset(config: dict) -> None:
 
 @pytest.mark.parametrize("line", KERNEL_FAULTS)
 def test_prefilter_keeps_kernel_faults(config: dict, line: str) -> None:
-    assert _grep(config, "kernel")[1].search(line), line
+    assert _grep(config, "kernel*")[1].search(line), line
 
 
 @pytest.mark.parametrize("line", POD_FAULTS + KERNEL_FAULTS[-1:])
@@ -148,7 +164,7 @@ def test_prefilter_keeps_pod_faults(config: dict, line: str) -> None:
 
 @pytest.mark.parametrize("line", NOISE)
 def test_prefilter_drops_noise(config: dict, line: str) -> None:
-    assert not _grep(config, "kernel")[1].search(line), line
+    assert not _grep(config, "kernel*")[1].search(line), line
     assert not _grep(config, "kube.*")[1].search(line), line
 
 
@@ -164,7 +180,7 @@ def test_the_samples_are_what_the_parsers_recognise() -> None:
 
 def test_every_line_a_parser_recognises_passes_the_prefilter(config: dict) -> None:
     """Cross-check against the parsers on the samples plus every pod signal's own alternatives."""
-    kernel_re = _grep(config, "kernel")[1]
+    kernel_re = _grep(config, "kernel*")[1]
     pod_re = _grep(config, "kube.*")[1]
     from pipeline.ingest.parsing import pod as pod_module
 
@@ -197,7 +213,7 @@ def test_kernel_lines_carry_the_boot_id_for_replay_dedup(config: dict) -> None:
     filters = config["pipeline"]["filters"]
     names = [(f["name"], f["match"]) for f in filters]
     lua = next(f for f in filters if f["name"] == "lua")
-    assert lua["match"] == "kernel" and names.index(("grep", "kernel")) < names.index(("lua", "kernel"))
+    assert lua["match"] == "kernel" and names.index(("grep", "kernel*")) < names.index(("lua", "kernel"))
     assert "/proc/sys/kernel/random/boot_id" in lua["code"] and f"function {lua['call']}(" in lua["code"]
     assert 'record["boot_id"]' in lua["code"]
     header = CONFIG.read_text().split("service:", 1)[0]

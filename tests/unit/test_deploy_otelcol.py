@@ -45,7 +45,7 @@ def test_every_component_the_configuration_uses_is_built(config: dict) -> None:
 
 def test_the_prefilter_is_fluent_bits_keep_list(config: dict) -> None:
     fluent_bit = yaml.safe_load(FLUENT_BIT.read_text())
-    grep = next(f for f in fluent_bit["pipeline"]["filters"] if f["name"] == "grep" and f["match"] == "kernel")
+    grep = next(f for f in fluent_bit["pipeline"]["filters"] if f["name"] == "grep" and f["match"] == "kernel*")
     keep = grep["regex"].partition(" ")[2]
     (operator,) = config["receivers"]["file_log/kernel"]["operators"]
     assert operator["type"] == "filter"
@@ -73,3 +73,12 @@ def test_the_build_files_ship_in_the_package() -> None:
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["pipeline"]
     for path in (otelcol.MANIFEST, otelcol.OTEL_GOMOD, otelcol.OTEL_GOSUM):
         assert str(path.relative_to(ROOT / "pipeline")) in data
+
+
+def test_a_batch_holds_no_more_lines_than_the_worker_parses_of_one_record(config: dict) -> None:
+    """One Kafka record per batch: past XIDFLOW_PARSE_MAX_LINES_PER_RECORD a record's lines are dead letters."""
+    from pipeline.ingest.bounds import DEFAULT_MAX_LINES_PER_RECORD
+
+    batch = config["processors"]["batch"]
+    assert batch["send_batch_max_size"] <= DEFAULT_MAX_LINES_PER_RECORD
+    assert batch["send_batch_size"] <= batch["send_batch_max_size"]

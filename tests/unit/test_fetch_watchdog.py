@@ -4,6 +4,7 @@ commit guard never lets an offset pass a record the agent did not acknowledge.""
 import asyncio
 from collections import Counter
 
+import pytest
 from faust.types import TP
 
 from agents.worker import create_app
@@ -248,3 +249,35 @@ async def test_a_seek_mid_batch_drops_the_rest_of_the_batch_for_that_partition(m
     assert handed_out == [(0, 10), (1, 3), (1, 4)]
     assert consumer._read_offset[p0] == 5
     assert [(tp.partition, m.offset) async for tp, m in consumer.getmany(1.0)] == [(0, 5)]
+
+
+async def test_a_broker_away_skips_the_watchdogs_round_instead_of_stopping_the_worker(monkeypatch) -> None:
+    """During an outage the log-start lookup times out (KafkaTimeoutError after the request timeout); out of a
+    Faust timer that exception stopped the whole worker (seen with Kafka down ~50 s under Fluent Bit)."""
+    from aiokafka.errors import KafkaConnectionError, KafkaTimeoutError
+
+    from pipeline.kafka import fetch_watchdog
+
+    timers: list = []
+
+    class App:
+        transport = type("Transport", (), {"Consumer": object})()
+
+        def timer(self, interval: float):  # noqa: ANN202 - Faust's decorator
+            return lambda fn: timers.append(fn) or fn
+
+    fetch_watchdog.install(App(), {"src"})
+    for exc in (KafkaTimeoutError("Failed to get offsets by times in 40000 ms"), KafkaConnectionError("gone"),
+                TimeoutError(), ConnectionRefusedError()):
+        async def failing(*_: object, exc: Exception = exc) -> None:
+            raise exc
+
+        monkeypatch.setattr(fetch_watchdog, "_check", failing)
+        await timers[0]()  # returns: this round is skipped, the next one looks again
+
+    async def broken(*_: object) -> None:
+        raise ValueError("a bug is still a bug")
+
+    monkeypatch.setattr(fetch_watchdog, "_check", broken)
+    with pytest.raises(ValueError):
+        await timers[0]()

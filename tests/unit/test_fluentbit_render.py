@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from pipeline.localinfra.fluentbit_run import (
+    FABRIC_MANAGER_TAG,
     KERNEL_FILE_PARSERS,
     Render,
     kube_tag_prefix,
@@ -39,6 +40,18 @@ def test_a_changed_filter_or_output_is_drift(tmp_path: Path) -> None:
     assert any("regex" in d for d in drift) and any("format" in d for d in drift)
 
 
+def test_fabric_managers_log_moves_under_the_root_and_nothing_else_of_it_may_change(tmp_path: Path) -> None:
+    rendered = render_shipped_config(Render(root=tmp_path))
+    fabric_manager = next(i for i in rendered["pipeline"]["inputs"] if i["tag"] == FABRIC_MANAGER_TAG)
+    assert fabric_manager["path"] == str(tmp_path / "fabricmanager" / "fabricmanager.log")
+    assert fabric_manager["db"].startswith(str(tmp_path))
+    outputs = {o["match"]: o["topics"] for o in rendered["pipeline"]["outputs"]}
+    assert outputs == {"kernel*": "gpu.logs.kernel", "kube.*": "gpu.logs.pods"}  # its lines go with the kernel's
+    fabric_manager["parser"] = "json"
+    assert shipped_config_drift(rendered) == [
+        f"input[{FABRIC_MANAGER_TAG}].parser: shipped 'xidflow-kernel-line', rendered 'json'"]
+
+
 def test_the_kernel_file_parsers_are_shipped_and_yield_msg() -> None:
     parsers = {p["name"]: p for p in load_shipped()["parsers"]}
     for name in KERNEL_FILE_PARSERS.values():
@@ -59,4 +72,23 @@ def test_the_kubernetes_tag_prefix_follows_the_container_log_path(tmp_path: Path
     assert kube_tag_prefix(str(Path(tail["path"]).parent)) == kube["kube_tag_prefix"]
     rendered = render_shipped_config(Render(root=tmp_path))
     kube = next(f for f in rendered["pipeline"]["filters"] if f["name"] == "kubernetes")
-    assert kube["kube_tag_prefix"] == "kube." + str(tmp_path / "containers").strip("/").replace("/", ".") + "."
+    assert kube["kube_tag_prefix"] == kube_tag_prefix(str(tmp_path / "containers"))
+
+
+# (folder, the prefix the real Fluent Bit's tail input gives its files); tests/integration/test_fluent_bit_tags.py
+# asks the real binary for each of them (rooted in a temporary folder).
+KNOWN_PREFIXES = [
+    ("/var/log/containers", "kube.var.log.containers."),
+    # A dot-leading folder loses its dot (the demo's default state directory is under ~/.cache).
+    ("/root/.cache/xidflow/local/demo/fluent-bit/gpu-0/containers",
+     "kube.root.cache.xidflow.local.demo.fluent-bit.gpu-0.containers."),
+    ("/tmp/x/.hid/containers", "kube.tmp.x.hid.containers."),
+    ("/tmp/a b/c:d/e..f", "kube.tmp.a b.c.d.e.f."),
+]
+
+
+@pytest.mark.parametrize(("folder", "prefix"), KNOWN_PREFIXES)
+def test_the_kubernetes_tag_prefix_is_fluent_bits_tag_expansion(folder: str, prefix: str) -> None:
+    """Known answers of the real Fluent Bit (tests/integration/test_fluent_bit_tags.py asks it for each)."""
+    assert kube_tag_prefix(folder) == prefix
+

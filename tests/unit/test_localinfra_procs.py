@@ -36,3 +36,14 @@ def test_kafka_cluster_ids_never_look_like_an_option() -> None:
     ids = {new_cluster_id() for _ in range(5000)}
     assert len(ids) == 5000 and not any(i.startswith("-") for i in ids)
     assert all(len(i) == 22 for i in ids)
+
+
+def test_free_ports_are_chosen_below_the_ephemeral_range_and_free(tmp_path) -> None:  # noqa: ANN001
+    low, _high = procs.ephemeral_range()
+    ports = {procs.free_port() for _ in range(20)}
+    assert all(procs.LISTEN_PORTS_FROM <= p < low for p in ports), ports  # no outgoing connection takes them
+    assert all(procs._bindable(p) for p in ports)
+    unreadable = tmp_path / "missing"
+    assert procs.ephemeral_range(unreadable) == (32768, 60999)
+    (tmp_path / "range").write_text("40000\t50000\n")
+    assert procs.ephemeral_range(tmp_path / "range") == (40000, 50000)

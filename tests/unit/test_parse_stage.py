@@ -189,7 +189,8 @@ def test_an_oversized_fault_line_is_cut_with_a_marker_and_dead_lettered_once() -
 
 
 def test_one_record_yields_at_most_the_configured_dead_letters() -> None:
-    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_dead_letters_per_record=5))
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_dead_letters_per_record=5,
+                                           max_lines_per_record=2000))
     value = b"\n".join(b'{"no": "NVRM: line %d"}' % i for i in range(1000)) + b"\n{broken"
     result = core.process([Rec(value)])
     assert len(result.dead_letters) == 5
@@ -219,9 +220,54 @@ def test_no_input_yields_unbounded_outputs(noise: bytes, depth: int) -> None:
     assert all(len(e.to_bytes()) < 8 * 1024 for e in result.events)
 
 
+# -- one record's lines, one node's bytes in a batch (issue 37 part 2) -------------------------------------------
+def test_a_record_of_100000_lines_is_parsed_up_to_its_limit_and_dead_lettered_once() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_lines_per_record=1000))
+    early = XID79.replace("4e:00", "01:00")
+    late = XID79.replace("4e:00", "02:00")
+    plain = "\n".join([early] + ["NVRM: x"] * 50_000 + [late] + ["NVRM: x"] * 49_998).encode()
+    as_json = kmsg("\n".join([early] + ["NVRM: x"] * 50_000 + [late] + ["NVRM: x"] * 49_998))
+    for value in (plain, as_json):
+        result = core.process([Rec(value, offset=3)])
+        # The fault in the first lines is seen; the one past the limit is not, and the record says so once.
+        assert [e.pci for e in result.events] == ["0000:01:00.0"], value[:20]
+        [letter] = result.dead_letters
+        assert letter.code == DeadLetterCode.TOO_MANY_LINES and letter.offset == 3 and letter.key == "node-a"
+        assert letter.reason.startswith("100000 lines in one record, past the limit of 1000")
+        assert "XIDFLOW_PARSE_MAX_LINES_PER_RECORD" in letter.reason and letter.payload_truncated
+        core.reset()
+
+
+def test_one_nodes_flood_costs_that_nodes_lines_and_not_the_others_faults() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_key_bytes_per_batch=4096))
+    flood = [Rec(kmsg(XID79 + " " + "x" * 900, node="noisy"), key=b"noisy", offset=i) for i in range(100)]
+    good = [Rec(kmsg(XID79, node=f"good-{i}"), key=f"good-{i}".encode(), offset=100 + i) for i in range(3)]
+    result = core.process(flood[:50] + good[:1] + flood[50:] + good[1:])
+    assert sorted(e.node for e in result.events if e.node.startswith("good")) == ["good-0", "good-1", "good-2"]
+    parsed = [e for e in result.events if e.node == "noisy"]
+    assert 1 <= len(parsed) <= 5  # ~1 KB records in a 4 KiB budget
+    [letter] = result.dead_letters
+    assert letter.code == DeadLetterCode.NODE_OVER_BUDGET and letter.key == "noisy"
+    skipped = 100 - len(parsed)
+    assert letter.reason.startswith(f"node noisy: {skipped} records (")
+    assert f"offsets {len(parsed)} to 99 of {KERNEL}[0]" in letter.reason
+    assert "XIDFLOW_PARSE_MAX_KEY_BYTES_PER_BATCH" in letter.reason and letter.offset == len(parsed)
+    # The next batch is a new budget: the node's faults are parsed again.
+    assert core.process([Rec(kmsg(XID79, node="noisy"), key=b"noisy", offset=200)]).events
+
+
+def test_a_large_record_is_not_scanned_but_decoded_within_the_bounds() -> None:
+    core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_lines_per_record=100))
+    noise = "\n".join(["eth0: link up"] * 10_000).encode()  # 140 KB of noise, over the scan's 64 KiB
+    result = core.process([Rec(noise)])
+    assert result.decoded == 1 and result.noise == 0 and not result.events
+    [letter] = result.dead_letters
+    assert letter.code == DeadLetterCode.TOO_MANY_LINES
+
+
 def test_detector_state_is_kept_for_at_most_max_nodes() -> None:
     core = ParseCore(TOPICS, ParseSettings(shape_check_every=0, max_nodes=50, multiline_timeout_s=0.001))
-    records = [Rec(kmsg(XID79, node=f"made-up-{i}"), offset=i) for i in range(500)]
+    records = [Rec(kmsg(XID79, node=f"made-up-{i}"), key=f"made-up-{i}".encode(), offset=i) for i in range(500)]
     result = core.process(records)
     assert len(result.events) == 500
     assert len(core._nodes) <= 51 and len(core.detector._nodes) <= 51  # type: ignore[attr-defined]

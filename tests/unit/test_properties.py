@@ -29,6 +29,11 @@ FRAGMENTS = [
     # Prefixes of the operating systems fleets run (Talos, journalctl -o short-*, RFC 5424) and NCCL verbs.
     "talos-1: ", "kern: ", "warning: ", "[2026-04-22T21:25:20.505406921Z]: ", "<4>1 ", "2024-07-04T11:09:40+0000 ",
     "host kernel - - ", "[x@1 a=\"b\"] ", "Jul 04 11:09:40.123456 ", "NCCL WARN Call to ibv_", "create_cq failed",
+    # MIG instances, dmesg -x, Fabric Manager's reports and the CUDA errors of a job whose GPU is gone (issue 36).
+    " GPU-I:05", " GPU-CI:02", "syslog:err   : ", "user  :warn  : ", "detected NVSwitch ", "non-fatal error ",
+    "fatal error ", " on fid 0", " on NVSwitch pci bus id ", "00000000:86:00.0", " physical id 3", " port 61",
+    "[ERROR] [tid 841] ", "nv-fabricmanager[5183]: ", "Cuda failure 999 'unknown error'", "error=30 : unknown error",
+    "all CUDA-capable devices are busy or unavailable",
 ]
 fault_like = st.lists(st.sampled_from(FRAGMENTS) | st.text(max_size=8), max_size=25).map("".join)
 any_text = st.text(max_size=400) | fault_like | st.binary(max_size=300).map(lambda b: b.decode("utf-8", "replace"))

@@ -72,11 +72,67 @@ def test_the_chart_installs_the_shipped_admission_policy() -> None:
     assert not [d for d in off if d["metadata"]["name"] == "rescuepolicies.xidflow.dev"]
 
 
-def test_the_chart_renders_the_shipped_hook_jobs_admission_policy() -> None:
+ADMISSION_FILES = ("hook-jobs-admission.yaml", "actuator-admission.yaml")
+
+
+def shipped_actuator_admission() -> list[dict[str, Any]]:
+    docs: list[dict[str, Any]] = []
+    for name in ADMISSION_FILES:
+        docs += [d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac" / name).read_text()) if d]
+    return docs
+
+
+def test_the_chart_renders_the_shipped_actuator_admission_policies() -> None:
     text = helm_template(CHART, release="xidflow", namespace="xidflow-system", values_files=(), set_values={},
                          log=lambda _m: None)
-    rendered = [d for d in yaml.safe_load_all(text) if d and d["metadata"]["name"].endswith("-hook-jobs")]
+    rendered = [d for d in yaml.safe_load_all(text) if d and d["kind"].startswith("ValidatingAdmissionPolicy")
+                and d["metadata"]["name"].startswith("xidflow-actuator-")]
     for doc in rendered:
         doc["metadata"].pop("labels")
-    shipped = [d for d in yaml.safe_load_all((ROOT / "deploy" / "rbac" / "hook-jobs-admission.yaml").read_text()) if d]
-    assert rendered == shipped
+    shipped = shipped_actuator_admission()
+
+    def by_name(docs: list[dict[str, Any]]) -> list[dict[str, Any]]:  # helm orders documents by kind
+        return sorted(docs, key=lambda d: (d["kind"], d["metadata"]["name"]))
+
+    assert [d["metadata"]["name"] for d in by_name(rendered)] == [d["metadata"]["name"] for d in by_name(shipped)]
+    assert by_name(rendered) == by_name(shipped)
+    off = render(**{"actuator.hookJobsAdmissionPolicy": False, "actuator.writesAdmissionPolicy": False})
+    assert not [d for d in off if d["kind"].startswith("ValidatingAdmissionPolicy")
+                and d["metadata"]["name"].startswith("rel-xidflow-actuator-")]
+
+
+def _expressions(name: str) -> str:
+    policy = next(d for d in shipped_actuator_admission()
+                  if d["kind"] == "ValidatingAdmissionPolicy" and d["metadata"]["name"] == name)
+    spec = policy["spec"]
+    return "\n".join(v["expression"] for v in spec.get("validations", []) + spec.get("variables", []))
+
+
+def test_the_admission_policies_name_what_the_code_does() -> None:
+    """One source each: the hooks, the taint, the opt-out label, the condition types and labels the actuator
+    writes, as the code has them, are what the shipped policies admit."""
+    import json
+
+    from pipeline.actuator import checkpoint, conditions, effects
+    from pipeline.actuator.actions.taint_device import MANAGED_BY, MANAGED_BY_VALUE
+    from pipeline.actuator.settings import ActuatorSettings
+    from pipeline.actuator.workload import GPU_FAULT_CONDITION
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["actuator"]
+    assert [(h["image"], tuple(h["command"])) for h in values["hookJobs"]["allowed"]] == list(effects.DOCUMENTED_HOOKS)
+    hooks = _expressions("xidflow-actuator-hook-jobs")
+    for image, command in effects.DOCUMENTED_HOOKS:
+        assert f"variables.container.image == {json.dumps(image)}" in hooks
+        assert f"variables.container.command == {json.dumps(list(command), separators=(',', ':'))}" in hooks
+    defaults = ActuatorSettings()
+    node = _expressions("xidflow-actuator-hook-jobs-node")
+    assert values["taint"]["key"] == defaults.taint_key and f'"{defaults.taint_key}"' in node
+    assert values["optOutLabel"] == defaults.opt_out_label and f'"{defaults.opt_out_label}"' in node
+    kubelet = sorted(conditions.KUBELET_TYPES)
+    assert f"[{', '.join(repr(t) for t in sorted(kubelet, key=_expressions('xidflow-actuator-node-writes').find))}]" \
+        in _expressions("xidflow-actuator-node-writes")
+    ours = {GPU_FAULT_CONDITION, checkpoint.REQUESTED, checkpoint.DONE}
+    pods = _expressions("xidflow-actuator-pod-status")
+    assert f"[{', '.join(repr(t) for t in sorted(ours, key=pods.find))}]" in pods
+    rules = _expressions("xidflow-actuator-device-taints")
+    assert f"'{MANAGED_BY}' in object.metadata.labels" in rules and f"== '{MANAGED_BY_VALUE}'" in rules

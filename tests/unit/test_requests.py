@@ -15,6 +15,7 @@ from pipeline.actuator.requests import (
     MAX_WAIT_SECONDS,
     RESCUE_ACTION_NAMES,
     ParameterError,
+    RescueActionBody,
     RescueActionRequest,
     field_path,
     parse_rescue_request,
@@ -261,3 +262,29 @@ def test_arbitrary_objects_never_raise(garbage: dict) -> None:
     assert isinstance(result, ParameterError | RescueActionRequest)
     if isinstance(result, ParameterError):
         assert result.message.startswith("Parameter error: ")
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [
+        b'{"nodeName": "gpu-1", "xid": 79, "xid": 13, "escalateTime": 1700000000, "actions": [{"name": "cordon"}]}',
+        b'{"nodeName": "gpu-1", "xid": 79, "escalateTime": 1700000000,'
+        b' "actions": [{"name": "cordon", "name": "reboot"}]}',
+    ],
+)
+def test_a_key_repeated_in_one_object_is_refused(raw: bytes) -> None:
+    """Issue 37: the last value won; JSON leaves it to the reader, and readers differ."""
+    got = parse(raw)
+    assert isinstance(got, ParameterError) and "twice in one object" in got.message, got
+
+
+def test_an_instant_outside_the_years_1_to_9999_in_utc_is_refused_saying_so() -> None:
+    """Issue 37: schema-valid (a date-time with an offset), yet no instant a datetime holds: documented, and said."""
+    for value in ("0001-01-01T00:30:00+01:00", "9999-12-31T23:30:00-01:00"):
+        got = parse(body(escalateTime=value))
+        assert isinstance(got, ParameterError)
+        assert got.message == f"Parameter error: escalateTime must be an instant within the years 1 to 9999 in UTC " \
+                              f"({value} is outside)"
+    accepted = parse(body(escalateTime="0001-01-01T00:30:00-01:00"))
+    assert accepted.escalate_time == datetime(1, 1, 1, 1, 30, tzinfo=UTC)  # type: ignore[union-attr]
+    assert "years 1 to 9999 in UTC" in RescueActionBody.model_json_schema()["properties"]["escalateTime"]["description"]

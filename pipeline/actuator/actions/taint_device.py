@@ -12,6 +12,9 @@ the PCI bus id (a cluster without DRA, an unknown device) or the API server does
 ``DeviceTaintRule``, and when more GPUs of the node would be tainted by xidflow than the policy's
 ``maxTaintedDevices``. The step's reason says which.
 
+A fault the driver attributed to a MIG GPU instance (``GPU-I:<n>`` in the Xid) taints that instance's MIG device
+when the DRA driver publishes the instance on it (``pipeline.actuator.dra.mig_devices``), else the whole GPU.
+
 Rules are named deterministically from (node, PCI bus id, device) and labelled as xidflow's: a
 redelivery finds the rule it created, and undo deletes only the rules the ledger records as xidflow's
 (a rule someone else made is never owned, so never deleted).
@@ -28,7 +31,16 @@ from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
-from pipeline.actuator.dra import GROUP, PCI_ATTRIBUTE, SLICE_VERSION, DeviceRef, find_devices, normalise_bdf
+from pipeline.actuator.dra import (
+    GPU_INSTANCE_ATTRIBUTE,
+    GROUP,
+    PCI_ATTRIBUTE,
+    SLICE_VERSION,
+    DeviceRef,
+    find_devices,
+    mig_devices,
+    normalise_bdf,
+)
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.ownership import CORDON
 from pipeline.detection.catalog import Catalog
@@ -113,12 +125,31 @@ class Decision:
     reason: str
 
 
+def pick_devices(
+    slices: list[dict[str, Any]], pci: str, gpu_instance: int | None
+) -> tuple[list[DeviceRef], str]:
+    """The devices to taint for a fault at ``pci`` and what they are: the MIG device of ``gpu_instance`` when a
+    device at the address publishes it (``gpuInstanceId``), else every device at the address (the whole GPU:
+    the full GPU and its MIG devices), saying why."""
+    devices = find_devices(slices, pci)
+    if gpu_instance is None or not devices:
+        return devices, ""
+    mig = mig_devices(slices, pci, gpu_instance)
+    if mig:
+        return mig, f"MIG GPU instance {gpu_instance}"
+    return devices, (
+        f"MIG GPU instance {gpu_instance}, but no device publishes {GPU_INSTANCE_ATTRIBUTE}={gpu_instance}: "
+        "the whole GPU"
+    )
+
+
 def decide(
     scope: str, what: str, pci: str | None, devices: list[DeviceRef], tainted: set[str], cap: int,
-    rules_served: bool = True,
+    rules_served: bool = True, instance: str = "",
 ) -> Decision:
     """Device or node quarantine, and why. ``what`` names the fault (``Xid 48``); ``tainted`` are the PCI ids
-    xidflow's rules already quarantine on the node."""
+    xidflow's rules already quarantine on the node; ``instance`` says which MIG instance the devices are, if any
+    (``pick_devices``)."""
     if scope != "gpu":
         return Decision(Verdict.NODE, f"{what} takes out the node (catalog scope {scope}): node quarantine")
     if not pci:
@@ -138,7 +169,8 @@ def decide(
             f"{count} GPUs of the node tainted by xidflow, more than maxTaintedDevices={cap}: node quarantine too",
         )
     devs = ", ".join(d.device for d in devices)
-    return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}) tainted; {count} of at most {cap} on the node")
+    which = f"; {instance}" if instance else ""
+    return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}{which}) tainted; {count} of at most {cap} on the node")
 
 
 def scope_of(incident: NodeIncident | None, catalog: Catalog | None = None) -> str:
@@ -243,12 +275,17 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
     cap = spec.max_tainted_devices if spec.max_tainted_devices is not None else DEFAULT_MAX_TAINTED_DEVICES
     devices: list[DeviceRef] = []
     rules: list[dict[str, Any]] | None = []
+    instance = ""
+    gpu_instance = incident.gpu_instance if incident is not None else None
     if scope == "gpu" and pci:
-        devices = find_devices(await node_slices(ctx.kube, plan.node), pci)
+        devices, instance = pick_devices(await node_slices(ctx.kube, plan.node), pci, gpu_instance)
         if devices:
             rules = await node_rules(ctx.kube, plan.node)
-    decision = decide(scope, what, pci, devices, tainted_pcis(rules or []), cap, rules_served=rules is not None)
+    decision = decide(scope, what, pci, devices, tainted_pcis(rules or []), cap, rules_served=rules is not None,
+                      instance=instance)
     details: dict[str, Any] = {"scope": scope, "pci": pci, "verdict": decision.verdict.value}
+    if gpu_instance is not None:
+        details["gpu_instance"] = gpu_instance
     owns: list[str] = []
     created_any = False
     if decision.verdict in (Verdict.DEVICE, Verdict.DEVICE_AND_NODE):

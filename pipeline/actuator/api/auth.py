@@ -136,8 +136,13 @@ class TokenStore:
             self._file_stamp = stamp
             return
         if tokens is None:
+            # A deleted file revokes its tokens (the setting's promise: while it is missing every request is
+            # answered 401). A mounted Secret is rotated by swapping a symlink, so it never goes missing
+            # in between: only a removed Secret (or file) gets here.
             if self._from_file:
-                log.warning("API token file %s disappeared; keeping the tokens read before", self._file)
+                log.warning("API token file %s was removed; its %d tokens are no longer accepted", self._file,
+                            len(self._from_file))
+            self._from_file = {}
         else:
             self._from_file = {name: _digest(token) for name, token in tokens.items()}
         self._file_stamp = stamp

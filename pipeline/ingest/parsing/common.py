@@ -1,4 +1,5 @@
-"""Helpers shared by the kernel and pod parsers: PCI addresses and line-prefix sanity."""
+"""Helpers shared by the kernel and pod parsers: PCI addresses and line-prefix sanity (the kernel's, Fabric
+Manager's)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ _PCI_RE = re.compile(r"(?:PCI:)?(?:([0-9A-Fa-f]{4,8}):)?([0-9A-Fa-f]{2}):([0-9A-
 
 
 def normalize_pci(raw: str) -> str | None:
-    """``PCI:0000:4E:00`` -> ``0000:4e:00.0``: lowercase ``dddd:bb:dd.f``, domain 0000 and f=0 when absent.
+    """``PCI:0000:4E:00`` -> ``0000:4e:00.0``: lowercase ``dddd:bb:dd.f``, domain 0000 and f=0 when absent,
+    an 8-digit domain (``00000000:86:00.0``, Fabric Manager's form) folded to Linux's ``%04x``.
 
     Returns None when ``raw`` is not a PCI address.
     """
@@ -19,9 +21,8 @@ def normalize_pci(raw: str) -> str | None:
     if m is None:
         return None
     domain, bus, device, function = m.groups()
-    domain = (domain or "0000").lower()
-    if len(domain) < 4:
-        domain = domain.rjust(4, "0")
+    # Linux prints "%04x" (a VMD domain has 5 digits); Fabric Manager and nvidia-smi print 8 ("00000000").
+    domain = f"{int(domain, 16):04x}" if domain else "0000"
     return f"{domain}:{bus.lower()}:{device.lower()}.{function or '0'}"
 
 
@@ -38,18 +39,26 @@ _QUOTING_CHARS = frozenset("\"'=|$`\\")
 #   "Jul 04 11:09:40.123456 host kernel: ", short-monotonic "[538441.007373] host kernel: ", short-full
 #   "Thu 2024-07-04 11:09:40 UTC host kernel: ", short-unix "1720091380.123456 host kernel: "), Talos's kernel
 #   log ("node: kern: warning: [2026-04-22T21:25:20.505406921Z]: ", node optional) or a bare timestamp
-#   (dmesg --time-format iso), dmesg -x "kern  :err   : ", and bracketed stamps ("[538441.007373] ",
-#   dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
+#   (dmesg --time-format iso), dmesg -x / --decode "kern  :err   : " (any syslog facility: an agent that
+#   re-logs the driver's line into /dev/kmsg writes it as "user  :err   : " or "daemon:warn  : "), and
+#   bracketed stamps ("[538441.007373] ", dmesg -T "[Thu Jul  4 11:09:40 2024] ", printk caller "[T1234] ").
 # Anything else -- another program's tag ("alertmanager[12]: "), a log level ("WARN "), words ending in a
 # colon ("ALERT: node-3: ") -- means a userspace program is quoting the kernel's text: not a fault.
 _TOKEN = r"""[^\s:"'=|$`\\]+(?::[^\s:"'=|$`\\]+)*"""  # no quoting chars, never ends with ':'
 _ISO_TS = r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:[.,]\d+)?(?:Z|[+-]\d\d:?\d\d)?"
+# util-linux dmesg -x / --decode prints "%-6s:%-6s: " of the record's facility and level names (its
+# facility_names and level_names tables: tests/expected/dmesg/decode in util-linux).
+DMESG_FACILITIES = ("kern", "user", "mail", "daemon", "auth", "syslog", "lpr", "news", "uucp", "cron", "authpriv",
+                    "ftp", "res0", "res1", "res2", "res3", *(f"local{n}" for n in range(8)))
+DMESG_LEVELS = ("emerg", "alert", "crit", "err", "warn", "notice", "info", "debug")
+_DMESG_DECODE = r"(?:(?:" + "|".join(DMESG_FACILITIES) + r")\s*:\s*(?:" + "|".join(DMESG_LEVELS) + r")\s*:\s*)"
 # Before everything: a /dev/kmsg record header ("6,1234,5678,-;", with CONFIG_PRINTK_CALLER
 # "6,1234,5678,-,caller=T12;"), or the file name grep puts before a log line it found
-# ("/var/log/kern.log:", "syslog.1:1234:").
+# ("/var/log/kern.log:", "syslog.1:1234:") -- not dmesg -x's "syslog:err   : ", the syslog facility.
 _HEAD_RE = re.compile(
     r"\s*(?:\d+,\d+,\d+(?:,[^;\s]*)?;"
-    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:)"
+    r"|(?:/[^\s:]+|[\w.-]+\.log(?:\.\d+)?|syslog(?:\.\d+)?|messages(?:\.\d+)?)(?::\d+)?:"
+    r"(?!\s*(?:" + "|".join(DMESG_LEVELS) + r")\s*:))"
 )
 # Talos Linux formats every kernel message "%s: %7s: [%s]: %s" (facility, priority right-aligned to 7,
 # RFC 3339 time with nanoseconds, text: machined's Dmesg API and its "kernel" service log), and talosctl puts
@@ -71,7 +80,17 @@ _KERNEL_PREFIX_RE = re.compile(
     r"(?:(?:" + _TOKEN + r"\s+){0,8}?(?:kernel|vmunix)(?:\[\d+\])?(?::|(?:\s+-){3})\s*"
     r"|" + _TALOS +
     r"|" + _ISO_TS + r"\s+)?"
-    r"(?:kern\s*:\s*[a-z]+\s*:\s*)?(?:" + _ISO_TS + r"\s+)?"
+    r"(?:" + _DMESG_DECODE + r")?(?:" + _ISO_TS + r"\s+)?"
+    r"(?:\[[^\]\[]*\]\s*)*"
+)
+
+
+# What may stand before Fabric Manager's report of an NVSwitch error: its own log file's stamps
+# ("[Jul 09 2024 18:14:07] [ERROR] [tid 12727] ": time, level, thread), or a syslog / journald header ending in
+# its tag ("Mar 03 18:39:57 host nv-fabricmanager[5183]: ", when it logs to syslog), or nothing.
+_FABRIC_MANAGER_PREFIX_RE = re.compile(
+    r"\s*(?:<\d{1,3}>\d?\s*)?"
+    r"(?:(?:" + _TOKEN + r"\s+){0,8}?nv(?:idia)?-fabricmanager(?:\[\d+\])?:\s*)?"
     r"(?:\[[^\]\[]*\]\s*)*"
 )
 
@@ -82,9 +101,9 @@ def prefix_is_kernel(prefix: str) -> bool:
     Accepts dmesg ``[538441.007373] ``, ``dmesg -T`` ``[Thu Jul  4 11:09:40 2024] ``, syslog
     ``Nov 21 23:11:02 host kernel: `` (RFC 3339 and RFC 5424 headers too), every ``journalctl -o short*``
     mode, Talos ``node: kern: warning: [2026-04-22T21:25:20.505406921Z]: ``, kmsg records
-    ``6,1234,5678,-;``, ``dmesg -x`` ``kern  :err   : ``, indentation and nothing at all. Rejects prefixes
-    that quote the text or that are another program's message around it (a tag other than the kernel's, a
-    log level, a label, a Talos facility other than ``kern``).
+    ``6,1234,5678,-;``, ``dmesg -x`` ``kern  :err   : `` (any facility), indentation and nothing at all.
+    Rejects prefixes that quote the text or that are another program's message around it (a tag other than
+    the kernel's, a log level, a label, a Talos facility other than ``kern``).
     """
     if not prefix or prefix.isspace():
         return True
@@ -94,6 +113,22 @@ def prefix_is_kernel(prefix: str) -> bool:
     sd = _RFC5424_SD_RE.match(prefix)
     if sd is not None:  # RFC 5424 kernel header with structured data (its values are quoted)
         prefix = prefix[sd.end():]
-    if not _QUOTING_CHARS.isdisjoint(prefix):
-        return False
-    return _KERNEL_PREFIX_RE.fullmatch(prefix) is not None
+    return _unquoted_fullmatch(_KERNEL_PREFIX_RE, prefix)
+
+
+def prefix_is_fabric_manager(prefix: str) -> bool:
+    """True when ``prefix`` (the text before ``detected NVSwitch``) can be what Fabric Manager's own log or a
+    syslog / journald copy of it puts there: ``[Jul 09 2024 18:14:07] [ERROR] [tid 12727] ``,
+    ``Mar 03 18:39:57 host nv-fabricmanager[5183]: ``, grep's ``fabricmanager.log:`` or nothing. Rejects
+    quotations and other programs' messages around the text, as :func:`prefix_is_kernel` does.
+    """
+    if not prefix or prefix.isspace():
+        return True
+    head = _HEAD_RE.match(prefix)
+    if head is not None:  # grep's "file:" / "file:line:"
+        prefix = prefix[head.end():]
+    return _unquoted_fullmatch(_FABRIC_MANAGER_PREFIX_RE, prefix)
+
+
+def _unquoted_fullmatch(pattern: re.Pattern[str], prefix: str) -> bool:
+    return _QUOTING_CHARS.isdisjoint(prefix) and pattern.fullmatch(prefix) is not None

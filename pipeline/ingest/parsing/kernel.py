@@ -1,9 +1,16 @@
 """Pure parsers for NVIDIA kernel log lines (one line in, one typed match or None out).
 
 Each parser finds the driver's marker anywhere in the line, so every prefix a shipper adds works
-(dmesg, ``dmesg -T``, syslog, journald short, kmsg records, bare ``msg``), and then checks that what
-precedes the marker can be a kernel prefix (:func:`prefix_is_kernel`) so that quoted copies of the
+(dmesg, ``dmesg -T``, ``dmesg -x``, syslog, journald short, kmsg records, bare ``msg``), and then checks that
+what precedes the marker can be a kernel prefix (:func:`prefix_is_kernel`) so that quoted copies of the
 text (shell commands, audit records, other programs' logs) produce nothing.
+
+Fabric Manager (``nv-fabricmanager``, NVSwitch systems) reports every SXid again in its own log
+(``/var/log/fabricmanager.log``): ``[Jul 09 2024 18:14:07] [ERROR] [tid 12727] detected NVSwitch non-fatal error
+12028 on fid 0 on NVSwitch pci bus id 00000000:86:00.0 physical id 3 port 61``. Those lines reach the kernel
+topic too (deploy/README.md) and become the same :class:`SXidLine` as the driver's, with ``reporter``
+``fabric_manager`` and the switch's port as the link; their prefix is checked by
+:func:`prefix_is_fabric_manager`.
 
 Multi-line folding (SXid continuation lines, the three-line "fallen off the bus" message) needs
 state and lives in :mod:`pipeline.detection.detector`; here each line is classified on its own.
@@ -15,19 +22,32 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.ingest.parsing.common import PCI_PATTERN, normalize_pci, prefix_is_kernel
+from pipeline.ingest.parsing.common import PCI_PATTERN, normalize_pci, prefix_is_fabric_manager, prefix_is_kernel
+from schemas.records import Reporter
 
 NVRM_MARKER = "NVRM: "
 SXID_MARKER = "SXid ("
 NCCL_MARKER = "libnccl"
+FABRIC_MANAGER_MARKER = "detected NVSwitch "
+KERNEL_MARKERS = (NVRM_MARKER, SXID_MARKER, FABRIC_MANAGER_MARKER, NCCL_MARKER)
+"""Every kernel line that can hold a fault (or a UUID mapping) contains one of these: the one list the
+detector's prefilter and the parse stage's marker gate use."""
 
 
 @dataclass(slots=True)
 class XidLine:
-    """``NVRM: Xid (PCI:0000:4e:00): 79, pid=..., name=..., <message>``."""
+    """``NVRM: Xid (PCI:0000:4e:00): 79, pid=..., name=..., <message>``.
+
+    On a MIG-enabled GPU the driver names the instance the error is attributed to inside the parentheses
+    (the three forms of the Xid printer in the driver's ``kernel_rc.c``): ``(PCI:0000:01:00 GPU-I:05)`` the GPU
+    instance, ``(PCI:0000:3b:00 GPU-I:01 GPU-CI:02)`` the GPU and compute instance: ``gpu_instance`` and
+    ``compute_instance``, None when not printed.
+    """
 
     code: int
     pci: str | None
+    gpu_instance: int | None = None
+    compute_instance: int | None = None
     pid: int | None = None
     process: str | None = None
     message: str = ""
@@ -44,6 +64,8 @@ class SXidLine:
     ``continuation`` is True for the ``Severity ... Engine instance`` and ``Data {...}`` lines the
     driver prints after the first line of one error; they are never counted on their own.
     ``header`` is True when the line prints Fatal/Non-fatal (the first line of an error).
+    ``reporter``: ``driver`` (the NVSwitch driver's kernel line) or ``fabric_manager`` (Fabric Manager's own log:
+    no device name, the switch's ``physical_id`` and ``port`` as the link, ``detail`` the other places it names).
     """
 
     code: int
@@ -54,6 +76,9 @@ class SXidLine:
     message: str
     continuation: bool
     header: bool
+    reporter: Reporter = Reporter.DRIVER
+    physical_id: int | None = None
+    detail: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(slots=True)
@@ -100,7 +125,10 @@ KernelLine = XidLine | SXidLine | FallenOffBusLine | GpuUuidLine | NcclSegfaultL
 
 # -- regular expressions (applied only after a marker was found) -------------------------------
 
-_XID_HEAD_RE = re.compile(r"Xid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*(?P<code>\d{1,6})\b,?\s*(?P<tail>.*)")
+_XID_HEAD_RE = re.compile(
+    r"Xid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")(?:\s+GPU-I:(?P<gi>\d{1,3}))?(?:\s+GPU-CI:(?P<ci>\d{1,3}))?\):"
+    r"\s*(?P<code>\d{1,6})\b,?\s*(?P<tail>.*)"
+)
 _PID_RE = re.compile(r"pid=(?P<pid>[^,\s]*),?\s*")
 _NAME_RE = re.compile(r"name=(?P<name>[^,]*),?\s*")
 _GPC_RE = re.compile(r"\(GPC (?P<gpc>\d+), TPC (?P<tpc>\d+), SM (?P<sm>\d+)\)")
@@ -133,6 +161,16 @@ _SXID_RE = re.compile(
     r"SXid \((?:PCI:)?(?P<pci>" + PCI_PATTERN + r")\):\s*"
     r"(?P<code>\d{1,6}),\s*(?P<rest>.*)"
 )
+# Fabric Manager: "detected NVSwitch <fatal|non-fatal> error <code> on fid 0 on NVSwitch pci bus id <pci> physical
+# id <n> port <n>" ("on NodeId 0" in its syslog form); every part after the code optional (older releases).
+_FABRIC_MANAGER_RE = re.compile(
+    r"detected NVSwitch (?P<sev>fatal|non-fatal) error (?P<code>\d{1,6})\b"
+    r"(?P<places>(?:\s+on\s+(?!NVSwitch\b)[A-Za-z]+\s+\d+)*)"
+    r"(?:\s+on\s+NVSwitch\s+pci\s+bus\s+id\s+(?P<pci>" + PCI_PATTERN + r"))?"
+    r"(?:\s+physical\s+id\s+(?P<phys>\d+))?"
+    r"(?:\s+port\s+(?P<port>\d+))?"
+)
+_PLACE_RE = re.compile(r"on\s+([A-Za-z]+)\s+(\d+)")
 _SXID_HEADER_RE = re.compile(r"(?P<sev>Fatal|Non-fatal|Nonfatal)\b,?\s*(?:Link\s+(?P<link>\d+)\b)?\s*(?P<msg>.*)")
 _SEGFAULT_RE = re.compile(
     r"(?:(?P<proc>[^\s\[\]]+)\[(?P<pid>\d+)\]:\s+)?segfault at (?P<addr>[0-9A-Fa-f]+)\b.*?\bin (?P<lib>libnccl[^\s\[]*)"
@@ -173,7 +211,8 @@ def parse_xid(rest: str) -> XidLine | None:
     if nm is not None:
         process = _name_or_none(nm.group("name"))
         tail = tail[nm.end():]
-    event = XidLine(code=code, pci=normalize_pci(m.group("pci")), pid=pid, process=process, message=tail.strip())
+    event = XidLine(code=code, pci=normalize_pci(m.group("pci")), gpu_instance=_int_or_none(m.group("gi")),
+                    compute_instance=_int_or_none(m.group("ci")), pid=pid, process=process, message=tail.strip())
     _decode_code_specific(event)
     return event
 
@@ -281,6 +320,27 @@ def parse_sxid(line: str, at: int) -> SXidLine | None:
     return SXidLine(code, pci, nvswitch, None, None, rest, continuation=False, header=False)
 
 
+def parse_fabric_manager(line: str, at: int) -> SXidLine | None:
+    """Fabric Manager's report of an SXid, whose ``detected NVSwitch`` marker is at index ``at``."""
+    m = _FABRIC_MANAGER_RE.match(line, at)
+    if m is None or not prefix_is_fabric_manager(line[:at]):
+        return None
+    detail: dict[str, Any] = {name.lower(): int(number) for name, number in _PLACE_RE.findall(m.group("places"))}
+    return SXidLine(
+        code=int(m.group("code")),
+        pci=normalize_pci(m.group("pci")) if m.group("pci") else None,
+        nvswitch=None,
+        fatal=m.group("sev") == "fatal",
+        link=_int_or_none(m.group("port")),
+        message=line[at:].strip(),
+        continuation=False,
+        header=True,
+        reporter=Reporter.FABRIC_MANAGER,
+        physical_id=_int_or_none(m.group("phys")),
+        detail=detail,
+    )
+
+
 def parse_nccl_segfault(line: str) -> NcclSegfaultLine | None:
     m = _SEGFAULT_RE.search(line)
     if m is None or not prefix_is_kernel(line[: m.start()]):
@@ -297,7 +357,7 @@ def parse_nccl_segfault(line: str) -> NcclSegfaultLine | None:
 def parse_kernel_line(line: str) -> KernelLine | None:
     """Classify one kernel line; None for noise and for look-alikes.
 
-    Cheap for noise: three substring scans before any regular expression runs.
+    Cheap for noise: four substring scans before any regular expression runs.
     """
     at = line.find(NVRM_MARKER)
     if at >= 0:
@@ -307,6 +367,9 @@ def parse_kernel_line(line: str) -> KernelLine | None:
     at = line.find(SXID_MARKER)
     if at >= 0:
         return parse_sxid(line.rstrip(), at)
+    at = line.find(FABRIC_MANAGER_MARKER)
+    if at >= 0:
+        return parse_fabric_manager(line.rstrip(), at)
     if NCCL_MARKER in line and "segfault at " in line:
         return parse_nccl_segfault(line.rstrip())
     return None

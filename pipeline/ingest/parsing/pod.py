@@ -8,8 +8,10 @@ fails every rank of a distributed job reports errors. Each signal is therefore t
 - ``application``: the job's own bug or a crash it caused (illegal address, device-side assert, ...);
 - ``sympathetic``: collective-communication failures every rank reports when a peer dies (NCCL
   watchdog timeouts, remote process exited, NET/IB completion errors with a status, failed ibv_* verbs
-  calls, socket transport "Connection reset by peer"). Never act on these alone: the aggregator attaches them to kernel
-  evidence on the same node (corroboration), exactly like the watchdog timeouts.
+  calls, socket transport "Connection reset by peer") and the CUDA errors a job prints when its GPU is gone or
+  unusable (``cudaErrorUnknown``, ``cudaErrorDevicesUnavailable``: the event carries the CUDA error's name and
+  number, :data:`CUDA_ERRORS`). Never act on these alone: the aggregator attaches them to kernel evidence on the
+  same node (corroboration), exactly like the watchdog timeouts.
 
 The patterns cover the CUDA runtime's error strings (``cudaGetErrorString``), the driver API's
 enum names (``CUDA_ERROR_*``) and runtime enum names (``cudaError*``), as PyTorch, JAX and NCCL print them.
@@ -25,11 +27,24 @@ from schemas.records import SignalGrade
 
 @dataclass(frozen=True, slots=True)
 class PodSignal:
-    """One recognised pod-log signal."""
+    """One recognised pod-log signal; ``cuda_error``/``cuda_error_code``: the CUDA runtime's enum name and
+    number for the signals that are one CUDA error (the number the line prints where it prints one)."""
 
     name: str
     grade: SignalGrade
     matched: str
+    cuda_error: str | None = None
+    cuda_error_code: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CudaError:
+    """A CUDA runtime error a signal stands for: its ``cudaError_t`` name and number (``code``), and the numbers
+    older runtimes gave it (``legacy``: printed by THC, cutorch and old PyTorch as ``error=30``, ``(30)``)."""
+
+    name: str
+    code: int
+    legacy: tuple[int, ...] = ()
 
 
 # (name, grade, regex). Order matters: the first match wins, and hardware beats application
@@ -58,6 +73,20 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
      r"the launch timed out and was terminated|CUDA_ERROR_LAUNCH_TIMEOUT|cudaErrorLaunchTimeout"),
     ("cuda_invalid_device_ordinal", SignalGrade.APPLICATION,
      r"invalid device ordinal|CUDA_ERROR_INVALID_DEVICE\b|cudaErrorInvalidDevice\b"),
+    # The GPU is gone or unusable (cudaErrorUnknown 999, 30 before CUDA 10.1; cudaErrorDevicesUnavailable 46, 38
+    # before): as PyTorch ("CUDA error: unknown error"), NCCL ("NCCL WARN Cuda failure 999 'unknown error'", and
+    # "Last error: Cuda failure 999 'unknown error'" after ncclUnhandledCudaError), THC ("THCudaCheck FAIL ...
+    # error=30 : unknown error"), cutorch ("cuda runtime error (30) : unknown error") and the driver API
+    # (CUDA_ERROR_UNKNOWN, CUDA_ERROR_DEVICE_UNAVAILABLE: "CUDA-capable device(s) is/are busy or unavailable") print
+    # them. Every rank of a job whose GPU fell off prints them, and so does a job on a GPU in exclusive-process
+    # mode held by another process, or a broken driver install: never proof alone, corroboration only.
+    ("cuda_unknown_error", SignalGrade.SYMPATHETIC,
+     r"CUDA error: unknown error|Cuda failure (?:\d+ )?'unknown error"
+     r"|THCudaCheck FAIL\b[^\n]*?error=(?:30|999) : unknown error|cuda runtime error \((?:30|999)\) : unknown error"
+     r"|CUDA_ERROR_UNKNOWN\b|cudaErrorUnknown\b"),
+    ("cuda_devices_unavailable", SignalGrade.SYMPATHETIC,
+     r"(?i:all CUDA-capable devices are busy or unavailable|CUDA-capable device\(s\) is/are busy or unavailable)"
+     r"|CUDA_ERROR_DEVICE_UNAVAILABLE\b|cudaErrorDevicesUnavailable\b"),
     ("nccl_watchdog_timeout", SignalGrade.SYMPATHETIC,
      r"Watchdog caught collective operation timeout"),
     # PyTorch's NCCL process group when a collective hangs or a peer died: the communicator is aborted,
@@ -95,6 +124,15 @@ _SIGNALS: tuple[tuple[str, SignalGrade, str], ...] = (
 
 _COMBINED_RE = re.compile("|".join(f"(?P<s{i}>{pattern})" for i, (_, _, pattern) in enumerate(_SIGNALS)))
 
+CUDA_ERRORS: dict[str, CudaError] = {
+    "cuda_unknown_error": CudaError("cudaErrorUnknown", 999, legacy=(30,)),
+    "cuda_devices_unavailable": CudaError("cudaErrorDevicesUnavailable", 46, legacy=(38,)),
+}
+"""The CUDA error each CUDA-error signal is (names and numbers from the CUDA runtime's ``cudaError_t``)."""
+
+# The number a line prints next to the error's text: "Cuda failure 999 '...'", "error=30 : ...", "(46) : ...".
+_CUDA_NUMBER_RE = re.compile(r"(?:Cuda failure |error=|error \()(\d{1,4})\b")
+
 # Every pattern above contains one of these substrings; lines without any of them are skipped
 # with plain substring scans before the regular expression runs.
 POD_ANCHORS: tuple[str, ...] = (
@@ -116,6 +154,7 @@ POD_ANCHORS: tuple[str, ...] = (
     "reset by peer",
     "closed by",
     "Broken pipe",
+    "-capable device",  # "CUDA-capable device(s) is/are busy or unavailable" (any case)
 )
 
 
@@ -141,4 +180,10 @@ def match_pod_signal(line: str) -> PodSignal | None:
     if best is None:
         return None
     name, grade, _ = _SIGNALS[best[0]]
-    return PodSignal(name=name, grade=grade, matched=best[1].group(0))
+    cuda = CUDA_ERRORS.get(name)
+    if cuda is None:
+        return PodSignal(name=name, grade=grade, matched=best[1].group(0))
+    number = _CUDA_NUMBER_RE.search(best[1].group(0))
+    printed = int(number.group(1)) if number else None
+    code = printed if printed in (cuda.code, *cuda.legacy) else cuda.code
+    return PodSignal(name=name, grade=grade, matched=best[1].group(0), cuda_error=cuda.name, cuda_error_code=code)
