@@ -1,10 +1,11 @@
 """The diagnostics gate's Job and its result: the built-in template and how a verdict is read. Pure.
 
-The Job runs on the node the way the reboot and GPU-reset hooks do (``jobtemplates``: the operator's
-template, else the built-in one, pinned to the node, run once as the token-less hook ServiceAccount). The
-built-in one runs NVIDIA DCGM's diagnostics at level 2 (``dcgmi diag -r 2``, what NVIDIA's DCGM guide
-calls the level for an epilogue after a failure, a few minutes on a node) and writes a one-line summary
-to the container's termination message.
+The Job runs on the node the way the reboot and GPU-reset hooks do (``reboot.start_hook_job``: the operator's
+template, else the built-in one, ``effects.DEFAULT_DIAGNOSTICS_JOB``, pinned to the node, run once as the
+token-less hook ServiceAccount, on a node carrying xidflow's taint). The built-in one runs NVIDIA DCGM's
+diagnostics at level 2 (``dcgmi diag -r 2``, what NVIDIA's DCGM guide calls the level for an epilogue after a
+failure, a few minutes on a node) with the node's own DCGM, and writes a one-line result to the container's
+termination message.
 
 The verdict (``verdict``), documented in docs/repair.md:
 
@@ -37,33 +38,17 @@ DEADLINE_GRACE = 120.0
 RESULT_KEYS = ("result", "level", "exitCode", "tests", "message")
 MAX_TESTS = 16
 
-# The summary the built-in Job writes: dcgmi's exit status decides (0: every test passed).
-_SCRIPT = (
-    "nv-hostengine >/dev/null 2>&1; "
-    "dcgmi diag -r 2 >/tmp/diag.txt 2>&1; rc=$?; "
+# The built-in Job's command: DCGM level 2 run on the node itself (the host's ``dcgmi`` and host engine, entered
+# through the host's namespaces as the reboot hook does), then the result object on the termination message.
+# No ``<``, ``>`` or ``&`` in it: the chart's admission policy carries it as JSON, where Helm would escape them.
+DIAGNOSTICS_SCRIPT = (
+    "nsenter -t 1 -m -u -i -n -p -- dcgmi diag -r 2; rc=$?; "
     "if [ $rc -eq 0 ]; then r=pass; else r=fail; fi; "
-    "printf '{\"result\":\"%s\",\"level\":2,\"exitCode\":%d,\"message\":\"dcgmi diag -r 2\"}' \"$r\" \"$rc\" "
-    ">/dev/termination-log; "
-    "tail -n 40 /tmp/diag.txt; exit $rc"
+    "printf '{\"result\":\"%s\",\"level\":2,\"exitCode\":%d,\"message\":\"dcgmi diag -r 2 on the node\"}' "
+    "\"$r\" \"$rc\" | tee /dev/termination-log; exit $rc"
 )
-
-DEFAULT_DIAGNOSTICS_JOB = f"""
-apiVersion: batch/v1
-kind: Job
-spec:
-  backoffLimit: 0
-  ttlSecondsAfterFinished: 86400
-  template:
-    spec:
-      restartPolicy: Never
-      tolerations: [{{operator: Exists}}]
-      containers:
-      - name: diagnostics
-        image: nvcr.io/nvidia/cloud-native/dcgm:4.2.3-1-ubuntu22.04
-        command: ["/bin/bash", "-c", {orjson.dumps(_SCRIPT).decode()}]
-        securityContext: {{privileged: true}}
-"""
-"""The built-in diagnostics Job: DCGM level 2 (XIDFLOW_ACTUATOR_DIAGNOSTICS_JOB_TEMPLATE replaces it)."""
+DIAGNOSTICS_COMMAND = ("sh", "-c", DIAGNOSTICS_SCRIPT)
+"""The built-in diagnostics hook's command (``effects.DEFAULT_DIAGNOSTICS_JOB``, in the documented hooks)."""
 
 Verdict = Literal["pass", "fail", "timeout"]
 

@@ -30,8 +30,7 @@ import yaml
 
 from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
-from pipeline.actuator.diagnostics import DEFAULT_DIAGNOSTICS_JOB
-from pipeline.actuator.effects import DEFAULT_RESET_JOB
+from pipeline.actuator.effects import DEFAULT_DIAGNOSTICS_JOB, DEFAULT_RESET_JOB
 from pipeline.actuator.machines import held_job
 from pipeline.actuator.testing import make_incident, node_events, publish, reboot, wait_until
 from pipeline.kafka.admin import ensure_topics

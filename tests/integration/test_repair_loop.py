@@ -28,7 +28,7 @@ import yaml
 from pipeline.actuator import repaircase, repairrequest
 from pipeline.actuator.actions.diagnose import HOOK_LABEL
 from pipeline.actuator.app import Actuator, actuator_topics
-from pipeline.actuator.diagnostics import DEFAULT_DIAGNOSTICS_JOB
+from pipeline.actuator.effects import DEFAULT_DIAGNOSTICS_JOB
 from pipeline.actuator.machines import finish_diagnostics, held_job, reboot_when_asked
 from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import (

@@ -65,14 +65,19 @@ def test_the_result_object_is_read_capped_and_text_is_kept_as_text() -> None:
     assert diagnostics.termination_message(pod) == "m" and diagnostics.termination_message({}) is None
 
 
-def test_the_built_in_diagnostics_job_is_a_valid_hook_job_running_dcgm_level_2() -> None:
+def test_the_built_in_diagnostics_job_is_a_documented_hook_running_dcgm_level_2() -> None:
     import yaml
 
-    template = yaml.safe_load(diagnostics.DEFAULT_DIAGNOSTICS_JOB)
+    from pipeline.actuator import effects
+
+    template = yaml.safe_load(effects.DEFAULT_DIAGNOSTICS_JOB)
     validate_job_template(template, "xidflow-node-ops")
     container = template["spec"]["template"]["spec"]["containers"][0]
-    assert "dcgmi diag -r 2" in container["command"][-1] and "/dev/termination-log" in container["command"][-1]
-    assert template["spec"]["backoffLimit"] == 0
+    assert (container["image"], tuple(container["command"])) in effects.DOCUMENTED_HOOKS
+    script = container["command"][-1]
+    assert "nsenter -t 1 -m -u -i -n -p -- dcgmi diag -r 2" in script and "tee /dev/termination-log" in script
+    assert not set("<>&") & set(script)  # the chart's admission policy carries the command as JSON
+    assert template["spec"]["backoffLimit"] == 0 and template["spec"]["template"]["spec"]["hostPID"] is True
 
 
 # -- the hand-off ---------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """diagnose: the gate before a return to service. A diagnostics Job on the node (the operator's template, else
 DCGM level 2), its verdict read from the Job's status and its termination message (``diagnostics``).
 
-Created and followed like the reboot Job: a deterministic name per flow and step (a redelivery, a racing
-replica or a replica that resumes the step after the first one died finds the same Job, never a second),
+Created and followed like the reboot Job (``reboot.start_hook_job``: on a node carrying xidflow's taint, which
+the hook-jobs admission policy demands): a deterministic name per flow (a redelivery, a racing replica or a
+replica that resumes the step after the first one died finds the same Job, never a second),
 claimed with a renewed lease, its deadline the Job's own ``activeDeadlineSeconds`` counted from the Job's
 creation. The verdict is recorded in the node's repair case in the write that marks the step done, with what
 follows (``repaircase.record_diagnostics``): a pass returns the node (the engine removes what the case's flows
@@ -16,28 +17,14 @@ import time
 from datetime import datetime
 from typing import Any
 
-from pipeline.actuator import diagnostics, effects, jobtemplates, repaircase
+from pipeline.actuator import diagnostics, effects, repaircase
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult, StopReason
-from pipeline.actuator.actions.reboot import read_template
+from pipeline.actuator.actions.reboot import start_hook_job
 from pipeline.actuator.kube import Kube
 from schemas.records import Outcome
 
 HOOK_LABEL = "xidflow.dev/hook"
 POLL_SECONDS = 1.0
-
-
-def job_name(node: str, flow: str, step_key: str) -> str:
-    return effects.object_name("xidflow-diag", node, flow, step_key, length=12)
-
-
-def render(ctx: StepContext, step: StepLike, name: str) -> dict[str, Any]:
-    """The Job the step creates (pure but for reading the operator's template file)."""
-    settings = ctx.settings
-    template = read_template(settings.diagnostics_job_template, diagnostics.DEFAULT_DIAGNOSTICS_JOB)
-    labels = {"xidflow.dev/flow": ctx.plan.flow_key[:63], HOOK_LABEL: "diagnostics"}
-    job = effects.render_job(template, name, settings.namespace, ctx.plan.node, labels)
-    job["spec"]["activeDeadlineSeconds"] = int(step.spec.timeout or diagnostics.DEFAULT_TIMEOUT)
-    return jobtemplates.enforce(job, settings.hook_service_account)  # the operator's Job, its own account
 
 
 def _created_at(job: dict[str, Any]) -> float:
@@ -67,14 +54,15 @@ async def follow(kube: Kube, namespace: str, name: str, deadline_s: float) -> di
 async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, settings = ctx.plan, ctx.settings
     flow = plan.flow_key
-    name = job_name(plan.node, flow, step.key)
-    job = render(ctx, step, name)
-    created = await effects.create_hook_job(ctx.kube, job)
-    timeout = float(job["spec"]["activeDeadlineSeconds"])
-    result = await follow(ctx.kube, settings.namespace, name, timeout)
+    deadline = int(step.spec.timeout or diagnostics.DEFAULT_TIMEOUT)
+    details = await start_hook_job(ctx, "xidflow-diag", settings.diagnostics_job_template,
+                                   effects.DEFAULT_DIAGNOSTICS_JOB, labels={HOOK_LABEL: "diagnostics"},
+                                   deadline_s=deadline)
+    name = details["job"]
+    result = await follow(ctx.kube, settings.namespace, name, deadline)
     verdict = result.verdict
     assert verdict is not None
-    details = {"job": name, "created": created, "verdict": verdict, "result": result.result}
+    details |= {"verdict": verdict, "result": result.result}
     message = str(result.result.get("message") or result.reason)
 
     def record(ledger: Any, now: float) -> None:
