@@ -6,6 +6,10 @@ node's partition drives it to the end - from the record, or without it (``resume
 reconciler) when the replica that started it died. What each action does lives in
 ``pipeline.actuator.actions``; how a group of steps touches the cluster (or, in dry-run, does not)
 lives in ``pipeline.actuator.effector``.
+
+One module (about 440 lines): a record's start, a node's resume, a recovery and the plan's run share the
+per-node lock and the audit, and a repair case's next flow is driven in the same pass as the flow that opened
+it (``_resume_locked``); split, the lock would have to travel between modules.
 """
 
 from __future__ import annotations
