@@ -355,7 +355,8 @@ async def xidflow_status(env: Env, node: str) -> str:
     from pipeline.cli import cli
 
     runner = CliRunner(env={"KUBECONFIG": env.kubeconfig, "XIDFLOW_ACTUATOR_GPU_NODE_SELECTOR": env.selector,
-                            "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace, "COLUMNS": "400"})
+                            "XIDFLOW_ACTUATOR_NAMESPACE": env.namespace, "COLUMNS": "400",
+                            "XIDFLOW_REPAIR_TIMELINE": None})  # the test's own variable, no setting of the CLI
     result = await asyncio.to_thread(runner.invoke, cli, ["status", node], catch_exceptions=False)
     assert result.exit_code == 0, result.output
     return f"$ xidflow status {node}\n{result.output}"
