@@ -73,14 +73,15 @@ def test_every_long_node_name_is_whole_and_on_its_own_line(output: str) -> None:
 def test_table_shows_fault_age_what_was_applied_why_and_the_breaker() -> None:
     line = render_rows(rows(), STATUS_COLUMNS, "table").splitlines()[1].split()
     assert line == [PREFIX + "0001", "Ready,SchedulingDisabled", "xid", "79", "10m", "condition,cordon,taint",
-                    "RESTART_BM", "open,counted"]
+                    "RESTART_BM", "open,counted", "-"]  # no repair case: the rule has no repair loop
     healthy = render_rows(rows(), STATUS_COLUMNS, "table").splitlines()[3].split()
-    assert healthy == [PREFIX + "0003", "Ready", "-", "-", "-", "-", "open"]
+    assert healthy == [PREFIX + "0003", "Ready", "-", "-", "-", "-", "open", "-"]
 
 
 def test_wide_adds_effects_incidents_and_last_action() -> None:
     text = render_rows(rows(), STATUS_COLUMNS, "wide")
-    assert text.splitlines()[0].split()[-5:] == ["BREAKER", "EFFECTS", "INCIDENTS", "STEPS-DONE", "LAST-ACTION"]
+    assert text.splitlines()[0].split()[-6:] == ["BREAKER", "REPAIR", "EFFECTS", "INCIDENTS", "STEPS-DONE",
+                                                 "LAST-ACTION"]
     assert "condition/GpuEcc,cordon,taint/NoSchedule" in text and "9f1e0c1d2a3b4c5d6e7f81" in text
 
 
