@@ -53,8 +53,8 @@ def test_tables_are_laid_out_as_kubectl_lays_them_out(k8s: Any, kubeconfig: str,
     for n, name in enumerate(["a", "bb", "a-much-longer-config-map-name-than-the-others", "ccc"]):
         core.create_namespaced_config_map(namespace, client.V1ConfigMap(
             metadata=client.V1ObjectMeta(name=name), data={"k": "v" * n} if n else {}))
-    for args in (["get", "configmaps"],
-                 ["get", "configmaps", "-o", "custom-columns=N:.metadata.name,K:.data.k,NAMESPACE:.metadata.namespace"]):
+    narrow = "custom-columns=N:.metadata.name,K:.data.k,NAMESPACE:.metadata.namespace"
+    for args in (["get", "configmaps"], ["get", "configmaps", "-o", narrow]):
         real = kubectl(kubeconfig, "-n", namespace, *args)
         header, *rows = [line.split() for line in real.splitlines()]
         assert all(len(r) == len(header) for r in rows), real  # no cell holds a space
