@@ -26,7 +26,7 @@ import contextlib
 import json
 import os
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +35,6 @@ from kubernetes import client
 
 from pipeline.actuator import claims, workload
 from pipeline.actuator.actions import taint_device as td
-from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.machines import (
     H100_PCI,
     MIG_1G_10GB,
@@ -44,7 +43,6 @@ from pipeline.actuator.machines import (
 )
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.testing import wait_until
-from pipeline.kafka.admin import ensure_topics
 from schemas.records import Outcome
 from tests.integration.test_actuator_checkpoint import Job, jobs
 from tests.integration.test_actuator_device_taint import gpu_incident
@@ -68,23 +66,19 @@ BY_DEVICE_TAINT_CONTROLLER = "DeletionByDeviceTaintManager"
 
 
 @pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
-    await ensure_ns(world.kube, world.namespace)
-    await ensure_nvidia_device_classes(world.kube)
-    slices: list[str] = []
-    world.slices = slices  # type: ignore[attr-defined]
-    yield world
-    try:
-        for node in world.nodes:
-            rules = await td.node_rules(world.kube, node) or []
-            await td.delete_rules(world.kube, [r["metadata"]["name"] for r in rules])
-        for name in slices:
-            with contextlib.suppress(Exception):
-                await world.kube.delete_cluster_object(*RESOURCE, "resourceslices", name)
-    finally:
-        await world.close()
+async def slices(env: Env) -> AsyncIterator[list[str]]:
+    """The test's namespace and the driver's DeviceClasses (shared by the session); the test's ResourceSlices and
+    DeviceTaintRules are removed at its end (they are cluster-scoped)."""
+    await ensure_ns(env.kube, env.namespace)
+    await ensure_nvidia_device_classes(env.kube)
+    published: list[str] = []
+    yield published
+    for node in env.nodes:
+        rules = await td.node_rules(env.kube, node) or []
+        await td.delete_rules(env.kube, [r["metadata"]["name"] for r in rules])
+    for name in published:
+        with contextlib.suppress(Exception):
+            await env.kube.delete_cluster_object(*RESOURCE, "resourceslices", name)
 
 
 def policy(action: str) -> PolicySet:
@@ -94,12 +88,14 @@ def policy(action: str) -> PolicySet:
     )
 
 
-async def dra_node(env: Env, mig: dict[int, list[tuple[Any, int]]] | None = None) -> tuple[str, dict[str, str]]:
+async def dra_node(
+    env: Env, slices: list[str], mig: dict[int, list[tuple[Any, int]]] | None = None
+) -> tuple[str, dict[str, str]]:
     """A KWOK node of eight H100s whose DRA driver published them; (node, device name -> PCI address)."""
     (node,) = await env.make_nodes(1)
     body = nvidia_dra_slice(node, mig=mig)
     await env.kube.create_cluster_object(*RESOURCE, "resourceslices", body)
-    env.slices.append(body["metadata"]["name"])  # type: ignore[attr-defined]
+    slices.append(body["metadata"]["name"])
     return node, {d["name"]: d["attributes"]["resource.kubernetes.io/pciBusID"]["string"]
                   for d in body["spec"]["devices"]}
 
@@ -123,6 +119,18 @@ async def held(env: Env, labels: dict[str, str] | None = None) -> dict[str, tupl
     found = await claims.read_claims(env.kube, pods)
     return {p["metadata"]["name"]: (p["metadata"]["uid"], {d for _, _, d in workload.pod_devices(p, found)})
             for p in pods}
+
+
+async def victim_and_neighbours(env: Env, node: str, neighbours: int) -> tuple[str, dict[str, Any], str]:
+    """A one-replica Deployment ``victim`` and ``neighbours`` replicas of ``neighbour``, one GPU claim each, on the
+    node; (the victim pod, what every pod holds, the victim's device)."""
+    ns, kube = env.namespace, env.kube
+    await claim_template(env, "one-gpu", "gpu.nvidia.com")
+    (victim,) = await deployment(kube, ns, "victim", node, 1, {"app": "victim"}, claim_templates=("one-gpu",))
+    await deployment(kube, ns, "neighbour", node, neighbours, {"app": "neighbour"}, claim_templates=("one-gpu",))
+    before = await held(env)
+    (device,) = before[victim][1]
+    return victim, before, device
 
 
 class Watch:
@@ -203,9 +211,9 @@ def record_of(records: list[Any], node: str, action: str) -> Any:
 
 
 async def test_by_default_the_gpu_is_kept_free_and_its_pods_leave_through_xidflows_drain(
-    env: Env, kubeconfig: str, tmp_path: Path
+    env: Env, slices: list[str], kubeconfig: str, tmp_path: Path
 ) -> None:
-    node, pcis = await dra_node(env)
+    node, pcis = await dra_node(env, slices)
     ns, kube = env.namespace, env.kube
     await claim_template(env, "one-gpu", "gpu.nvidia.com")
     await statefulset(kube, ns, "trainer", node, 2, {"app": "trainer"}, claim_templates=("one-gpu",))
@@ -259,14 +267,11 @@ async def test_by_default_the_gpu_is_kept_free_and_its_pods_leave_through_xidflo
                    incident_to_evicted_s=gone - started)
 
 
-async def test_no_execute_is_a_direct_delete_by_kubernetes_past_the_budget(env: Env) -> None:
-    node, pcis = await dra_node(env)
+async def test_no_execute_is_a_direct_delete_by_kubernetes_past_the_budget(env: Env, slices: list[str]) -> None:
+    node, pcis = await dra_node(env, slices)
     ns, kube = env.namespace, env.kube
-    await claim_template(env, "one-gpu", "gpu.nvidia.com")
-    (victim,) = await deployment(kube, ns, "victim", node, 1, {"app": "victim"}, claim_templates=("one-gpu",))
-    await deployment(kube, ns, "neighbour", node, 2, {"app": "neighbour"}, claim_templates=("one-gpu",))
-    before = await held(env)
-    victim_uid, (device,) = before[victim]
+    victim, before, device = await victim_and_neighbours(env, node, 2)
+    victim_uid = before[victim][0]
     assert (await pdb(kube, ns, "victim", {"app": "victim"}, min_available=1))["disruptionsAllowed"] == 0
     act = await env.actuator(policy("{name: quarantine, perGpu: true, effect: NoExecute}"))
     async with Watch(env, node) as watch:
@@ -293,14 +298,10 @@ async def test_no_execute_is_a_direct_delete_by_kubernetes_past_the_budget(env: 
     record_timings("no-execute", rule_to_deleted_s=gone - added, incident_to_deleted_s=gone - started)
 
 
-async def test_effect_none_is_a_dry_run_that_the_rules_status_explains(env: Env) -> None:
-    node, pcis = await dra_node(env)
+async def test_effect_none_is_a_dry_run_that_the_rules_status_explains(env: Env, slices: list[str]) -> None:
+    node, pcis = await dra_node(env, slices)
     ns, kube = env.namespace, env.kube
-    await claim_template(env, "one-gpu", "gpu.nvidia.com")
-    (victim,) = await deployment(kube, ns, "victim", node, 1, {"app": "victim"}, claim_templates=("one-gpu",))
-    await deployment(kube, ns, "neighbour", node, 1, {"app": "neighbour"}, claim_templates=("one-gpu",))
-    before = await held(env)
-    _, (device,) = before[victim]
+    victim, before, device = await victim_and_neighbours(env, node, 1)
     act = await env.actuator(policy("{name: quarantine, perGpu: true, effect: None}"))
     async with Watch(env, node) as watch:
         await act.engine.handle(gpu_incident(node, "inc-dry", pcis[device], CODE))
@@ -341,10 +342,10 @@ async def _no_pods(env: Env, labels: dict[str, str]) -> bool:
     return not await list_pods(env.kube, env.namespace, labels)
 
 
-async def test_a_mig_fault_takes_the_whole_gpus_mig_devices_and_only_their_pods(env: Env) -> None:
+async def test_a_mig_fault_takes_the_whole_gpus_mig_devices_and_only_their_pods(env: Env, slices: list[str]) -> None:
     faulty, other = 3, 5
     mig = {faulty: [(MIG_1G_10GB, start) for start in range(7)], other: [(MIG_1G_10GB, 0), (MIG_1G_10GB, 1)]}
-    node, _ = await dra_node(env, mig)
+    node, _ = await dra_node(env, slices, mig)
     ns, kube = env.namespace, env.kube
     await claim_template(env, "mig-here", "mig.nvidia.com", H100_PCI[faulty])
     await claim_template(env, "mig-there", "mig.nvidia.com", H100_PCI[other])

@@ -213,24 +213,22 @@ def test_quarantine_per_gpu_expands_to_taint_device_for_quarantining_incidents_o
     assert [s.name for s in node_wide][:2] == ["cordon", "taint"]
 
 
-def test_per_gpu_attributes_are_refused_where_they_mean_nothing() -> None:
-    with pytest.raises(PolicyError, match="perGpu"):
-        load_yaml_text(policy("{name: cordon, perGpu: true}"))
-    with pytest.raises(PolicyError, match="maxTaintedDevices"):
-        load_yaml_text(policy("{name: quarantine, maxTaintedDevices: 2}"))
-    with pytest.raises(PolicyError, match="effect"):
-        load_yaml_text(policy("{name: quarantine, perGpu: true, effect: PreferNoSchedule}"))
-    with pytest.raises(PolicyError, match="effect: None .* only for taintDevice"):
-        load_yaml_text(policy("{name: taint, effect: None}"))
-    with pytest.raises(PolicyError, match="effect: None"):
-        load_yaml_text(policy("{name: quarantine, effect: None}"))
-    with pytest.raises(PolicyError, match="checkpointGrace: only meaningful with perGpu"):
-        load_yaml_text(policy("{name: quarantine, checkpointGrace: 60}"))
-    with pytest.raises(PolicyError, match="checkpointGrace: with effect NoExecute"):
-        load_yaml_text(policy("{name: quarantine, perGpu: true, effect: NoExecute, checkpointGrace: 60}"))
-    with pytest.raises(PolicyError, match="scope: not valid for action 'cordon'"):
-        load_yaml_text(policy("{name: cordon, scope: gpu}"))
-    with pytest.raises(PolicyError, match="scope"):
-        load_yaml_text(policy("{name: drain, scope: rack}"))
+@pytest.mark.parametrize(("action", "message"), [
+    ("{name: cordon, perGpu: true}", "perGpu"),
+    ("{name: quarantine, maxTaintedDevices: 2}", "maxTaintedDevices"),
+    ("{name: quarantine, perGpu: true, effect: PreferNoSchedule}", "effect"),
+    ("{name: taint, effect: None}", "effect: None .* only for taintDevice"),
+    ("{name: quarantine, effect: None}", "effect: None"),
+    ("{name: quarantine, checkpointGrace: 60}", "checkpointGrace: only meaningful with perGpu"),
+    ("{name: quarantine, perGpu: true, effect: NoExecute, checkpointGrace: 60}", "with effect NoExecute"),
+    ("{name: cordon, scope: gpu}", "scope: not valid for action 'cordon'"),
+    ("{name: drain, scope: rack}", "scope"),
+])
+def test_per_gpu_attributes_are_refused_where_they_mean_nothing(action: str, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        load_yaml_text(policy(action))
+
+
+def test_drain_scope_and_the_dry_run_effect_load_where_they_mean_something() -> None:
     assert load_yaml_text(policy("{name: drain, scope: gpu}")).rules[0].actions[0].scope == "gpu"
     assert load_yaml_text(policy("{name: taintDevice, effect: None}")).rules[0].actions[0].effect == "None"
