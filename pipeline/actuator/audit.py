@@ -54,8 +54,11 @@ AUDIT_DETAILS: dict[str, str] = {
     # drain and its checkpoint wait
     "evicted": "drain: the pods evicted (namespace/name).",
     "forced": "drain: the pods deleted after `forceAfter` (only in `forceNamespaces`).",
-    "left_alone": "drain: the pods the drain's filters leave on the node (excluded namespaces and the kinds a drain "
-    "never evicts).",
+    "left_alone": "drain: the pods the drain's filters leave on the node (excluded namespaces, xidflow's own pods and "
+    "the kinds a drain never evicts).",
+    "gpu_devices": "drain with `scope: gpu`: the DRA devices (driver/pool/device) this flow's DeviceTaintRules took "
+    "out of service; only the pods holding them are evicted.",
+    "holders": "drain with `scope: gpu`: the pods whose ResourceClaims hold those devices (namespace/name).",
     "blocked": "drain, failed: the pods still there at the timeout (PodDisruptionBudgets refused them).",
     "checkpoint": "drain with `checkpointGrace`: the checkpoint wait: `result`, `grace_s`, `requested_at`, "
     "`deadline`, `waited_s`, `asked`, `answered`, `unanswered`, `forbidden`.",
@@ -105,6 +108,8 @@ AUDIT_DETAILS: dict[str, str] = {
     "that instance's MIG device is tainted where the DRA driver publishes it, else the whole GPU.",
     "rules": "taintDevice: the DeviceTaintRules created (names).",
     "devices": "taintDevice: the DRA devices tainted (driver, pool, device).",
+    "effect": "taintDevice: the device taint's effect: NoSchedule (the default), NoExecute (Kubernetes deletes the "
+    "pods holding the device) or None (a dry run).",
     "node_quarantine": "taintDevice: what the node quarantine did, where the node was quarantined.",
     # notifyWorkload
     "events": "notifyWorkload: Warning Events written on affected pods.",

@@ -9,6 +9,11 @@ What no program here does is what the machine itself does, and that is simulated
 - what the machine is: its GPUs (the labels GPU feature discovery puts on an 8-GPU node, the
   ``nvidia.com/gpu`` capacity the device plugin reports) and its boot id (``status.nodeInfo.bootID``),
   given when its node registers. KWOK's ``node-initialize`` stage keeps all three;
+- what its NVIDIA DRA driver publishes of its GPUs (``nvidia_dra_slice``): the ResourceSlice NVIDIA's
+  k8s-dra-driver-gpu kubelet plugin writes for the node, a full GPU per ``gpu-<minor>`` or, for a GPU in MIG mode,
+  its MIG devices, with the driver's attributes (``resource.kubernetes.io/pciBusID`` among them), and the
+  DeviceClasses the driver's chart installs (``ensure_nvidia_device_classes``). The scheduler allocates claims
+  from it, the device-taint eviction controller reads it: both are the real programs;
 - what it says in its kernel log (``XID79_LINE``, the line the tests feed the pipeline);
 - rebooting (``reboot``): the kubelet comes back with a new boot id, first NotReady as a starting
   kubelet reports; KWOK's ``node-initialize`` stage then makes it Ready, keeping the new boot id;
@@ -29,7 +34,9 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+import uuid
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
@@ -252,6 +259,116 @@ async def stop_heartbeats(kube: Kube, name: str) -> None:
 async def resume_heartbeats(kube: Kube, name: str) -> None:
     """The machine answers again: KWOK takes its node back and renews its Lease (Ready again once KWOK has)."""
     await kube.patch_node(name, {"metadata": {"labels": dict(KWOK_LABELS)}})
+
+
+# -- the NVIDIA DRA driver's side of the machine ------------------------------------------------------------------
+NVIDIA_DRA_DRIVER = "gpu.nvidia.com"
+NVIDIA_DEVICE_CLASSES = {
+    "gpu.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'gpu'",
+    "mig.nvidia.com": "device.driver == 'gpu.nvidia.com' && device.attributes['gpu.nvidia.com'].type == 'mig'",
+}
+"""The DeviceClasses NVIDIA's DRA driver chart installs: full GPUs and MIG devices of its driver."""
+H100_PCI = tuple(f"0000:{bus:02x}:00.0" for bus in (0x18, 0x2a, 0x3a, 0x4e, 0x9a, 0xab, 0xba, 0xdb))
+"""The PCI addresses of an HGX H100's eight GPUs (minor 0..7), as NVML reports them."""
+
+
+@dataclass(frozen=True)
+class MigProfile:
+    """A MIG GPU-instance profile as NVML describes it (H100 80GB), and what the driver publishes of it."""
+
+    name: str
+    profile_id: int
+    size: int
+    multiprocessors: int
+    memory_mib: int
+
+
+MIG_1G_10GB = MigProfile("1g.10gb", 19, 1, 16, 9856)
+MIG_3G_40GB = MigProfile("3g.40gb", 9, 4, 60, 40192)
+
+
+def _gpu_uuid(node: str, minor: int, kind: str = "GPU", extra: str = "") -> str:
+    return f"{kind}-{uuid.uuid5(uuid.NAMESPACE_DNS, f'{node}/{minor}/{extra}')}"
+
+
+def _common_attributes(pci: str) -> dict[str, Any]:
+    """What the driver publishes of the physical GPU on each of its devices (and the standard PCI attributes)."""
+    bus = int(pci.split(":")[1], 16)
+    return {
+        "productName": {"string": "NVIDIA H100 80GB HBM3"},
+        "brand": {"string": "Nvidia"},
+        "architecture": {"string": "Hopper"},
+        "cudaComputeCapability": {"version": "9.0.0"},
+        "driverVersion": {"version": "570.148.8"},
+        "cudaDriverVersion": {"version": "12.8.0"},
+        "resource.kubernetes.io/pciBusID": {"string": pci},
+        "resource.kubernetes.io/pcieRoot": {"string": f"pci0000:{bus & 0xf0:02x}"},
+    }
+
+
+def nvidia_gpu_device(node: str, minor: int, pci: str) -> dict[str, Any]:
+    """A full GPU as the driver publishes it: ``gpu-<minor>``, type ``gpu``, its memory as capacity. Pure."""
+    return {
+        "name": f"gpu-{minor}",
+        "attributes": {"type": {"string": "gpu"}, "uuid": {"string": _gpu_uuid(node, minor)},
+                       "minor": {"int": minor}, **_common_attributes(pci)},
+        "capacity": {"memory": {"value": "81559Mi"}},
+    }
+
+
+def nvidia_mig_device(node: str, minor: int, pci: str, profile: MigProfile, start: int) -> dict[str, Any]:
+    """A MIG device as the driver publishes it: named by parent minor, profile and placement
+    (``gpu-3-mig-1g10gb-19-0``), type ``mig``, the parent's PCI address. No GPU-instance id: the driver says it
+    has no guaranteed relation to the placement, so a fault naming ``GPU-I:<n>`` cannot be matched to one. Pure."""
+    slug = profile.name.replace(".", "")
+    capacity: dict[str, Any] = {
+        "multiprocessors": {"value": str(profile.multiprocessors)}, "copyEngines": {"value": str(profile.size)},
+        "decoders": {"value": str(profile.size)}, "encoders": {"value": "0"}, "jpegEngines": {"value": "1"},
+        "ofaEngines": {"value": "0"}, "memory": {"value": f"{profile.memory_mib}Mi"},
+    }
+    capacity |= {f"memorySlice{i}": {"value": "1"} for i in range(start, start + profile.size)}
+    return {
+        "name": f"gpu-{minor}-mig-{slug}-{profile.profile_id}-{start}",
+        "attributes": {"type": {"string": "mig"}, "uuid": {"string": _gpu_uuid(node, minor, "MIG", f"{slug}/{start}")},
+                       "parentUUID": {"string": _gpu_uuid(node, minor)}, "profile": {"string": profile.name},
+                       **_common_attributes(pci)},
+        "capacity": capacity,
+    }
+
+
+def nvidia_dra_slice(
+    node: str, pcis: Sequence[str] = H100_PCI, mig: Mapping[int, Sequence[tuple[MigProfile, int]]] | None = None,
+    generation: int = 1,
+) -> dict[str, Any]:
+    """The ResourceSlice the driver's kubelet plugin publishes for ``node`` (pool: the node's name): each GPU
+    (minor = index in ``pcis``) as a full GPU, or, for a minor in ``mig`` (MIG mode, static MIG), only its MIG devices
+    as (profile, placement start). Pure."""
+    devices: list[dict[str, Any]] = []
+    for minor, pci in enumerate(pcis):
+        if mig and minor in mig:
+            devices += [nvidia_mig_device(node, minor, pci, profile, start) for profile, start in mig[minor]]
+        else:
+            devices.append(nvidia_gpu_device(node, minor, pci))
+    return {
+        "apiVersion": "resource.k8s.io/v1",
+        "kind": "ResourceSlice",
+        "metadata": {"name": f"{node}-{NVIDIA_DRA_DRIVER}-{generation}"},
+        "spec": {"driver": NVIDIA_DRA_DRIVER, "nodeName": node,
+                 "pool": {"name": node, "generation": generation, "resourceSliceCount": 1}, "devices": devices},
+    }
+
+
+async def ensure_nvidia_device_classes(kube: Kube) -> None:
+    """Create the driver's DeviceClasses, or set their selectors as the driver's chart does (cluster-wide: every test
+    of a session shares them)."""
+    for name, expression in NVIDIA_DEVICE_CLASSES.items():
+        body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": name},
+                "spec": {"selectors": [{"cel": {"expression": expression}}]}}
+        try:
+            await kube.create_cluster_object("resource.k8s.io", "v1", "deviceclasses", body)
+        except AlreadyExists:
+            await kube._call(kube.custom.patch_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses", name,
+                             {"spec": body["spec"]})
 
 
 # -- what the machine's programs do when xidflow's hook Jobs run on it ----------------------------------------

@@ -37,6 +37,9 @@ STANDBY_PLURAL = "warmstandbypolicies"
 
 ActionName = Literal[ACTION_NAMES]  # type: ignore[valid-type]  # one list: pipeline.actuator.actions
 TaintEffect = Literal["NoSchedule", "PreferNoSchedule", "NoExecute"]
+DeviceDryRun = Literal["None"]
+"""A device taint's fourth effect (KEP-5055): informational, a dry run; never valid on a node taint."""
+DrainScope = Literal["node", "gpu"]
 RebootHook = Literal["job", "annotation", "webhook"]
 
 
@@ -59,8 +62,13 @@ class ActionSpec(_Model):
     # taint
     key: str | None = Field(default=None, min_length=1, max_length=253)
     value: str | None = Field(default=None, max_length=63)
-    effect: TaintEffect | None = None
+    effect: TaintEffect | DeviceDryRun | None = None
     # drain
+    scope: DrainScope | None = Field(
+        default=None,
+        description="drain: node (every pod on the node, the default) or gpu (only the pods whose ResourceClaims "
+        "hold a GPU this flow's taintDevice tainted)",
+    )
     grace_period_cap: int | None = Field(default=None, ge=0, alias="gracePeriodCap")
     excluded_namespaces: tuple[str, ...] = Field(default=(), alias="excludedNamespaces")
     force_after: float | None = Field(
@@ -74,7 +82,8 @@ class ActionSpec(_Model):
     checkpoint_grace: float | None = Field(
         default=None, alias="checkpointGrace",
         description="drain: ask the GPU pods for a checkpoint first and evict each when it answers or after this "
-        "many seconds (300, '300s', '5m'); only for faults where the GPU still runs",
+        "many seconds (300, '300s', '5m'); only for faults where the GPU still runs. quarantine with perGpu: the "
+        "same, for the drain of the GPU's pods",
     )
 
     @field_validator("checkpoint_grace", mode="before")
@@ -132,11 +141,26 @@ class ActionSpec(_Model):
         if self.key is not None and not is_taint_key(self.key):
             raise ValueError("key: not a valid taint key (an optional DNS subdomain prefix and '/', then a name)")
         self._check_condition()
-        if (self.name == "taintDevice" or self.per_gpu) and self.effect == "PreferNoSchedule":
-            raise ValueError("effect: a device taint is NoSchedule or NoExecute (PreferNoSchedule is for nodes)")
+        self._check_device_taint()
+        return self
+
+    def _check_device_taint(self) -> None:
+        device = self.name == "taintDevice" or self.per_gpu
+        if device and self.effect == "PreferNoSchedule":
+            raise ValueError("effect: a device taint is None, NoSchedule or NoExecute (PreferNoSchedule is for nodes)")
+        if not device and self.effect == "None":
+            raise ValueError(
+                "effect: None (a device taint's dry run) is only for taintDevice and quarantine with perGpu"
+            )
         if self.name == "quarantine" and self.max_tainted_devices is not None and not self.per_gpu:
             raise ValueError("maxTaintedDevices: only meaningful with perGpu")
-        return self
+        if self.name == "quarantine" and self.checkpoint_grace is not None:
+            if not self.per_gpu:
+                raise ValueError("checkpointGrace: only meaningful with perGpu (the drain of the GPU's pods); "
+                                 "on a node quarantine give the drain step its own")
+            if self.effect in ("NoExecute", "None"):
+                raise ValueError(f"checkpointGrace: with effect {self.effect} the per-GPU quarantine has no drain "
+                                 "(NoExecute: Kubernetes deletes the pods itself; None: a dry run evicts nothing)")
 
     def _check_condition(self) -> None:
         if self.condition_type is not None:

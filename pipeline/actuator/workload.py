@@ -142,6 +142,17 @@ def allocated_devices(claim: Mapping[str, Any]) -> set[DeviceId]:
     return {(str(r.get("driver") or ""), str(r.get("pool") or ""), str(r.get("device") or "")) for r in results}
 
 
+def pod_devices(pod: Mapping[str, Any], claims: Mapping[tuple[str, str], Mapping[str, Any]]) -> set[DeviceId]:
+    """The DRA devices the pod's ResourceClaims (those in ``claims``) are allocated."""
+    namespace = pod_key(pod)[0]
+    mine: set[DeviceId] = set()
+    for name in pod_claim_names(pod):
+        claim = claims.get((namespace, name))
+        if claim is not None:
+            mine |= allocated_devices(claim)
+    return mine
+
+
 def on_faulty_gpu(
     pod: Mapping[str, Any], claims: Mapping[tuple[str, str], Mapping[str, Any]], faulty: set[DeviceId]
 ) -> bool | None:
@@ -149,12 +160,7 @@ def on_faulty_gpu(
     are all others, and it takes no GPU through the device plugin. None: cannot be known."""
     if not faulty:
         return None
-    namespace = pod_key(pod)[0]
-    mine: set[DeviceId] = set()
-    for name in pod_claim_names(pod):
-        claim = claims.get((namespace, name))
-        if claim is not None:
-            mine |= allocated_devices(claim)
+    mine = pod_devices(pod, claims)
     if mine & faulty:
         return True
     drivers = {d for d, _, _ in faulty}

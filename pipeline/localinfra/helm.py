@@ -62,6 +62,34 @@ def ensure_helm(log: Log = print) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def value_args(values_files: tuple[Path | str, ...] = (), set_values: dict[str, object] | None = None) -> list[str]:
+    """``--values`` and ``--set``/``--set-string`` arguments: strings stay strings, numbers and booleans are typed."""
+    args: list[str] = []
+    for f in values_files:
+        args += ["--values", str(f)]
+    for key, value in (set_values or {}).items():
+        if isinstance(value, bool):
+            args += ["--set", f"{key}={str(value).lower()}"]
+        else:
+            escaped = str(value).replace("\\", "\\\\").replace(",", "\\,")  # --set splits on commas
+            args += ["--set-string" if isinstance(value, str) else "--set", f"{key}={escaped}"]
+    return args
+
+
+def helm(*args: str, kubeconfig: str | Path | None = None, log: Log = print) -> str:
+    """The pinned helm with ``args`` (``template``, ``install``, ``upgrade``, ``uninstall``, ...), against the cluster
+    of ``kubeconfig`` when given; its standard output, or :class:`InstallError` with helm's message."""
+    cmd = [str(ensure_helm(log)), *args]
+    if kubeconfig is not None:
+        cmd += ["--kubeconfig", str(kubeconfig)]
+    home = str(cache_root() / "helm" / "home")  # keep helm away from the user's repositories/plugins
+    env = dict(os.environ, HELM_CACHE_HOME=home, HELM_CONFIG_HOME=home, HELM_DATA_HOME=home)
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise InstallError(f"helm {args[0] if args else ''} failed (exit {proc.returncode}): {proc.stderr.strip()}")
+    return proc.stdout
+
+
 def helm_template(
     chart: Path | str,
     *,
@@ -73,21 +101,6 @@ def helm_template(
     log: Log = print,
 ) -> str:
     """``helm template`` with the pinned helm; returns the rendered YAML or raises with helm's message."""
-    cmd = [str(ensure_helm(log)), "template", release, str(chart), "--namespace", namespace]
-    for f in values_files:
-        cmd += ["--values", str(f)]
-    for key, value in (set_values or {}).items():
-        # Strings stay strings (--set-string); numbers and booleans are typed (--set).
-        if isinstance(value, bool):
-            cmd += ["--set", f"{key}={str(value).lower()}"]
-        else:
-            escaped = str(value).replace("\\", "\\\\").replace(",", "\\,")  # --set splits on commas
-            cmd += ["--set-string" if isinstance(value, str) else "--set", f"{key}={escaped}"]
-    if include_crds:
-        cmd.append("--include-crds")
-    home = str(cache_root() / "helm" / "home")  # keep helm away from the user's repositories/plugins
-    env = dict(os.environ, HELM_CACHE_HOME=home, HELM_CONFIG_HOME=home, HELM_DATA_HOME=home)
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise InstallError(f"helm template failed (exit {proc.returncode}): {proc.stderr.strip()}")
-    return proc.stdout
+    extra = ["--include-crds"] if include_crds else []
+    return helm("template", release, str(chart), "--namespace", namespace, *value_args(values_files, set_values),
+                *extra, log=log)

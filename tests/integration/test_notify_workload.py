@@ -22,8 +22,8 @@ import yaml
 from kubernetes import client
 
 from pipeline.actuator.dra import PCI_ATTRIBUTE
-from pipeline.actuator.kube import AlreadyExists, Invalid, Kube
-from pipeline.actuator.machines import hostname
+from pipeline.actuator.kube import Invalid, Kube
+from pipeline.actuator.machines import ensure_nvidia_device_classes, hostname, nvidia_gpu_device
 from pipeline.actuator.ownership import LEDGER_ANNOTATION
 from pipeline.actuator.testing import make_incident, object_events
 from pipeline.actuator.workload import EVENT_REASON, GPU_FAULT_CONDITION
@@ -141,16 +141,6 @@ async def test_quarantine_names_pods_and_owners_and_tells_each_gpu_pod_once(env:
     assert all(r.workload is not None and r.workload.affected == 3 for r in again)
 
 
-async def device_class(kube: Kube) -> None:
-    """The DeviceClass the NVIDIA DRA driver installs for its GPUs (shared by the session: created once)."""
-    body = {"apiVersion": "resource.k8s.io/v1", "kind": "DeviceClass", "metadata": {"name": DRIVER},
-            "spec": {"selectors": [{"cel": {"expression": f"device.driver == '{DRIVER}'"}}]}}
-    try:
-        await kube._call(kube.custom.create_cluster_custom_object, "resource.k8s.io", "v1", "deviceclasses", body)
-    except AlreadyExists:
-        pass
-
-
 async def dra_served(kube: Kube) -> bool:
     groups = await kube._call(client.ApisApi(kube.api_client).get_api_versions)
     return any(g["name"] == "resource.k8s.io" and any(v["version"] == "v1" for v in g["versions"])
@@ -163,11 +153,11 @@ async def test_with_dra_only_the_pod_holding_the_faulty_gpu_is_told(env: Env) ->
     assert await dra_served(kube), "the local kube-apiserver does not serve resource.k8s.io/v1"
     (node,) = await env.make_nodes(1)
     pool = env.unique("pool")
-    await device_class(kube)
+    await ensure_nvidia_device_classes(kube)
     slice_body = {
         "apiVersion": "resource.k8s.io/v1", "kind": "ResourceSlice", "metadata": {"name": f"{node}-gpus"},
         "spec": {"driver": DRIVER, "nodeName": node, "pool": {"name": pool, "generation": 1, "resourceSliceCount": 1},
-                 "devices": [{"name": f"gpu-{i}", "attributes": {PCI_ATTRIBUTE: {"string": pci}}}
+                 "devices": [nvidia_gpu_device(node, i, pci)
                              for i, pci in enumerate(["0000:4e:00.0", "0000:4f:00.0"])]},
     }
     await kube._call(kube.custom.create_cluster_custom_object, "resource.k8s.io", "v1", "resourceslices", slice_body)

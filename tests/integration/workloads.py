@@ -34,12 +34,19 @@ async def ensure_ns(kube: Kube, name: str) -> None:
 
 def pod_template(labels: dict[str, str], node: str | None, gpus: int = 0, *,
                  tolerations: list[dict[str, Any]] | None = None, restart: str | None = None,
-                 annotations: dict[str, str] | None = None, container_name: str = "c") -> dict[str, Any]:
-    """A pod template (pure): one container, ``gpus`` ``nvidia.com/gpu`` limit, pinned to ``node`` when given."""
+                 annotations: dict[str, str] | None = None, container_name: str = "c",
+                 claim_templates: tuple[str, ...] = ()) -> dict[str, Any]:
+    """A pod template (pure): one container, ``gpus`` ``nvidia.com/gpu`` limit, pinned to ``node`` when given;
+    with ``claim_templates``, one DRA ResourceClaim per pod from each named ResourceClaimTemplate (the resource claim
+    controller creates them, the scheduler allocates them)."""
     container: dict[str, Any] = {"name": container_name, "image": "busybox"}
     if gpus:
         container["resources"] = {"limits": {"nvidia.com/gpu": str(gpus)}}
     spec: dict[str, Any] = {"containers": [container], "terminationGracePeriodSeconds": 30}
+    if claim_templates:
+        spec["resourceClaims"] = [{"name": f"dev{i}", "resourceClaimTemplateName": t}
+                                  for i, t in enumerate(claim_templates)]
+        container["resources"] = {"claims": [{"name": f"dev{i}"} for i in range(len(claim_templates))]}
     if node:
         spec["nodeSelector"] = {HOSTNAME: hostname(node)}
     if tolerations:
@@ -85,21 +92,22 @@ async def wait_running(kube: Kube, namespace: str, labels: dict[str, str], count
 
 
 async def deployment(kube: Kube, namespace: str, name: str, node: str, replicas: int, labels: dict[str, str],
-                     gpus: int = 0, tolerations: list[dict[str, Any]] | None = None) -> list[str]:
+                     gpus: int = 0, tolerations: list[dict[str, Any]] | None = None,
+                     claim_templates: tuple[str, ...] = ()) -> list[str]:
     """A Deployment on ``node``; its running pods' names once the ReplicaSet, the scheduler and KWOK ran them."""
     apps = client.AppsV1Api(kube.api_client)
+    template = pod_template(labels, node, gpus, tolerations=tolerations, claim_templates=claim_templates)
     body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
-            "spec": {"replicas": replicas, "selector": {"matchLabels": labels},
-                     "template": pod_template(labels, node, gpus, tolerations=tolerations)}}
+            "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template}}
     await kube._call(apps.create_namespaced_deployment, namespace, body)
     return await wait_running(kube, namespace, labels, replicas, node)
 
 
 async def statefulset(kube: Kube, namespace: str, name: str, node: str, replicas: int, labels: dict[str, str],
-                      gpus: int = 0, container_name: str = "c") -> list[str]:
+                      gpus: int = 0, container_name: str = "c", claim_templates: tuple[str, ...] = ()) -> list[str]:
     """A StatefulSet on ``node`` (pods ``<name>-0`` ...), all pods started at once; returns their names when running."""
     apps = client.AppsV1Api(kube.api_client)
-    template = pod_template(labels, node, gpus, container_name=container_name)
+    template = pod_template(labels, node, gpus, container_name=container_name, claim_templates=claim_templates)
     body = {"apiVersion": "apps/v1", "kind": "StatefulSet", "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": replicas, "serviceName": name, "podManagementPolicy": "Parallel",
                      "selector": {"matchLabels": labels}, "template": template}}

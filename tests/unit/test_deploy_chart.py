@@ -133,7 +133,7 @@ def test_security_contexts(default_docs: list[dict]) -> None:
     probe = one(default_docs, "DaemonSet", "-probe")
     pod = probe["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsUser"] == 0  # NVML opens /dev/nvidia*
-    assert pod["runtimeClassName"] == "nvidia"
+    assert "runtimeClassName" not in pod  # the node's default runtime (see the runtime-class test below)
     assert env_of(container(probe))["NVIDIA_VISIBLE_DEVICES"] == "all"
     assert container(probe)["resources"]["limits"]
 
@@ -149,6 +149,79 @@ def test_probe_only_on_gpu_nodes_and_tolerates_quarantine(default_docs: list[dic
     assert "example.com/gpu-bad" in {t.get("key") for t in pod["tolerations"]}
     actuator_env = env_of(container(one(docs, "Deployment", "-actuator")))
     assert actuator_env["XIDFLOW_ACTUATOR_TAINT_KEY"] == "example.com/gpu-bad"
+
+
+CONTROL = (("Deployment", "-worker"), ("Deployment", "-actuator"), ("Deployment", "-loki-tail"))
+NOT_GPU = {"nodeSelectorTerms": [{"matchExpressions": [
+    {"key": "nvidia.com/gpu.present", "operator": "NotIn", "values": ["true"]}]}]}
+
+
+def pod_spec(docs: list[dict], kind: str, suffix: str) -> dict:
+    return one(docs, kind, suffix)["spec"]["template"]["spec"]
+
+
+def test_control_components_stay_off_gpu_nodes_by_default(all_docs: list[dict]) -> None:
+    """The worker, the actuator and loki-tail never run on a GPU node: a quarantine, drain or reboot of the node would
+    take them with it (found by hand with the scheduler: by default they landed on GPU nodes)."""
+    for kind, suffix in CONTROL:
+        spec = pod_spec(all_docs, kind, suffix)
+        assert spec["affinity"]["nodeAffinity"] == {"requiredDuringSchedulingIgnoredDuringExecution": NOT_GPU}, suffix
+    # The actuator keeps its spread of replicas next to it.
+    assert "podAntiAffinity" in pod_spec(all_docs, "Deployment", "-actuator")["affinity"]
+    # Several GPU labels: a node lacking any one of them is no GPU node (terms are ORed).
+    docs = render(**{"gpuNodeSelector.example\\.com/accelerator": "h100"})
+    terms = pod_spec(docs, "Deployment", "-worker")["affinity"]["nodeAffinity"][
+        "requiredDuringSchedulingIgnoredDuringExecution"]["nodeSelectorTerms"]
+    keys = sorted(t["matchExpressions"][0]["key"] for t in terms)
+    assert keys == ["example.com/accelerator", "nvidia.com/gpu.present"]
+    preferred = pod_spec(render(avoidGpuNodes="preferred"), "Deployment", "-worker")["affinity"]["nodeAffinity"]
+    assert preferred == {"preferredDuringSchedulingIgnoredDuringExecution": [
+        {"weight": 100, "preference": NOT_GPU["nodeSelectorTerms"][0]}]}
+    anywhere = render(avoidGpuNodes="")
+    assert "affinity" not in pod_spec(anywhere, "Deployment", "-worker")
+    assert "nodeAffinity" not in pod_spec(anywhere, "Deployment", "-actuator")["affinity"]
+    # A component's own nodeAffinity replaces the default; its other keys are added.
+    own = {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [{"matchExpressions": [
+        {"key": "pool", "operator": "In", "values": ["system"]}]}]}}
+    docs = render(**{"worker.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                     ".nodeSelectorTerms[0].matchExpressions[0].key": "pool",
+                     "worker.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                     ".nodeSelectorTerms[0].matchExpressions[0].operator": "In",
+                     "worker.affinity.nodeAffinity.requiredDuringSchedulingIgnoredDuringExecution"
+                     ".nodeSelectorTerms[0].matchExpressions[0].values[0]": "system"})
+    assert pod_spec(docs, "Deployment", "-worker")["affinity"] == {"nodeAffinity": own}
+    with pytest.raises(Exception, match="avoidGpuNodes"):
+        render(avoidGpuNodes="sometimes")
+
+
+def test_control_components_tolerate_only_xidflows_own_no_execute_taint(all_docs: list[dict]) -> None:
+    for kind, suffix in CONTROL:
+        assert pod_spec(all_docs, kind, suffix)["tolerations"] == [
+            {"key": "nvidia.com/gpu-fault", "operator": "Exists", "effect": "NoExecute"}], suffix
+    docs = render(**{"actuator.tolerations[0].key": "pool", "actuator.tolerations[0].operator": "Exists"})
+    assert pod_spec(docs, "Deployment", "-actuator")["tolerations"] == [
+        {"key": "nvidia.com/gpu-fault", "operator": "Exists", "effect": "NoExecute"},
+        {"key": "pool", "operator": "Exists"}]
+
+
+def test_every_xidflow_pod_carries_the_label_the_drain_leaves_alone(all_docs: list[dict]) -> None:
+    from pipeline.actuator.actions.drain import OWN_LABEL
+
+    key, value = OWN_LABEL
+    for d in all_docs:
+        if d["kind"] in ("Deployment", "DaemonSet"):
+            labels = d["spec"]["template"]["metadata"]["labels"]
+            assert labels.get(key) == value, d["metadata"]["name"]
+            # Not in the selector: a Deployment's selector cannot change on upgrade.
+            assert key not in d["spec"]["selector"]["matchLabels"]
+
+
+def test_the_probe_runs_without_a_runtime_class_unless_one_is_named(default_docs: list[dict]) -> None:
+    """The GPU Operator's RuntimeClass "nvidia" exists only where it installed it: naming it by default made the
+    DaemonSet create no pod at all elsewhere."""
+    assert "runtimeClassName" not in pod_spec(default_docs, "DaemonSet", "-probe")
+    named = render(**{"probe.runtimeClassName": "nvidia"})
+    assert pod_spec(named, "DaemonSet", "-probe")["runtimeClassName"] == "nvidia"
 
 
 def test_prometheus_scraping(default_docs: list[dict], all_docs: list[dict]) -> None:

@@ -125,7 +125,9 @@ def test_a_published_instance_names_its_mig_device_only(attribute: str) -> None:
     devices, note = td.pick_devices(slices, PCI, 5)
     assert (devices, note) == (refs("gpu-0-mig-a"), "MIG GPU instance 5")
     decision = td.decide("gpu", "xid 48", PCI, devices, set(), 2, instance=note)
-    assert decision.reason == f"GPU {PCI} (gpu-0-mig-a; MIG GPU instance 5) tainted; 1 of at most 2 on the node"
+    assert decision.reason == (
+        f"GPU {PCI} (gpu-0-mig-a; MIG GPU instance 5) tainted NoSchedule; 1 of at most 2 on the node"
+    )
     # An instance no device publishes falls back to the whole GPU.
     assert td.pick_devices(slices, PCI, 7)[0] == refs("gpu-0", "gpu-0-mig-a", "gpu-0-mig-b")
 

@@ -131,10 +131,33 @@ def test_device_or_node_decision() -> None:
     assert td.decide("gpu", "xid 48", pci, dev, set(), 0).verdict == td.Verdict.DEVICE_AND_NODE
 
 
-def test_device_taint_effect_is_never_prefer_no_schedule() -> None:
-    assert td.device_effect("NoExecute", "NoSchedule") == "NoExecute"
-    assert td.device_effect(None, "NoSchedule") == "NoSchedule"
-    assert td.device_effect(None, "PreferNoSchedule") == "NoSchedule"
+def test_device_taint_effect_is_the_rules_else_no_schedule() -> None:
+    assert td.device_effect("NoExecute") == "NoExecute"
+    assert td.device_effect("None") == "None"  # KEP-5055's dry run
+    # Never the node taint's setting: NoExecute on a device deletes pods past their PDBs, only a rule asks for it.
+    assert td.device_effect(None) == "NoSchedule"
+    assert td.device_effect("PreferNoSchedule") == "NoSchedule"
+
+
+def rule_of(name: str, device: str, effect: str, ours: bool = True) -> dict:
+    body = td.rule_body(name, "n1", EIGHT[0], td.DeviceRef(DRIVER, "n1", device), "k", "v", effect, "inc-1")
+    if not ours:
+        body["metadata"]["labels"] = {}
+    return body
+
+
+def test_a_dry_run_rule_takes_nothing_out_and_never_counts_toward_the_cap() -> None:
+    rules = [rule_of("a", "gpu-0", "NoSchedule"), rule_of("b", "gpu-1", "None"),
+             rule_of("c", "gpu-2", "NoExecute"), rule_of("d", "gpu-3", "NoSchedule", ours=False)]
+    devices, dry = td.rule_devices(rules)
+    assert devices == {(DRIVER, "n1", "gpu-0"), (DRIVER, "n1", "gpu-2")} and dry == ["b"]
+    rules[1]["metadata"]["annotations"][td.PCI_ANNOTATION] = "0000:2a:00.0"
+    assert td.tainted_pcis(rules[:2]) == {EIGHT[0]}
+    pci, dev = "0000:4e:00.0", [td.DeviceRef(DRIVER, "n1", "gpu-3")]
+    over = {"0000:18:00.0", "0000:2a:00.0"}
+    dry_run = td.decide("gpu", "xid 48", pci, dev, over, 2, effect="None")
+    assert dry_run.verdict == td.Verdict.DEVICE and "dry run" in dry_run.reason  # never escalates to the node
+    assert td.decide("gpu", "xid 48", pci, dev, over, 2, effect="NoSchedule").verdict == td.Verdict.DEVICE_AND_NODE
 
 
 def test_undo_deletes_only_the_rules_this_flow_alone_owns() -> None:
@@ -171,20 +194,41 @@ def test_quarantine_per_gpu_expands_to_taint_device_for_quarantining_incidents_o
     from pipeline.actuator.plan import expand_actions
     from schemas.records import Action
 
-    rule = load_yaml_text(policy("{name: quarantine, perGpu: true, effect: NoExecute, maxTaintedDevices: 3}")).rules[0]
+    text = policy("{name: quarantine, perGpu: true, maxTaintedDevices: 3, checkpointGrace: 5m}")
+    rule = load_yaml_text(text).rules[0]
     specs = expand_actions(rule, incident(code=48, action=Action.RESET_GPU))
-    assert [s.name for s in specs] == ["taintDevice", "condition", "event", "notifyWorkload"]
-    assert specs[0].effect == "NoExecute" and specs[0].max_tainted_devices == 3
+    # By default the GPU's pods leave through xidflow's drain (Eviction API, PDBs, checkpoint), scoped to the GPU.
+    assert [s.name for s in specs] == ["taintDevice", "condition", "event", "notifyWorkload", "drain"]
+    assert specs[0].effect is None and specs[0].max_tainted_devices == 3
+    assert specs[-1].scope == "gpu" and specs[-1].checkpoint_grace == 300
     assert [s.name for s in expand_actions(rule, incident(code=13, action=Action.RESTART_APP))] == ["event"]
+    # NoExecute: Kubernetes deletes the GPU's pods itself; None: a dry run. Neither gets a drain.
+    for effect in ("NoExecute", "None"):
+        explicit = load_yaml_text(policy(f"{{name: quarantine, perGpu: true, effect: {effect}}}")).rules[0]
+        specs = expand_actions(explicit, incident(code=48, action=Action.RESET_GPU))
+        assert [s.name for s in specs] == ["taintDevice", "condition", "event", "notifyWorkload"]
+        assert specs[0].effect == effect
     plain = load_yaml_text(policy("{name: quarantine}")).rules[0]
     node_wide = expand_actions(plain, incident(code=48, action=Action.RESET_GPU))
     assert [s.name for s in node_wide][:2] == ["cordon", "taint"]
 
 
-def test_per_gpu_attributes_are_refused_where_they_mean_nothing() -> None:
-    with pytest.raises(PolicyError, match="perGpu"):
-        load_yaml_text(policy("{name: cordon, perGpu: true}"))
-    with pytest.raises(PolicyError, match="maxTaintedDevices"):
-        load_yaml_text(policy("{name: quarantine, maxTaintedDevices: 2}"))
-    with pytest.raises(PolicyError, match="effect"):
-        load_yaml_text(policy("{name: quarantine, perGpu: true, effect: PreferNoSchedule}"))
+@pytest.mark.parametrize(("action", "message"), [
+    ("{name: cordon, perGpu: true}", "perGpu"),
+    ("{name: quarantine, maxTaintedDevices: 2}", "maxTaintedDevices"),
+    ("{name: quarantine, perGpu: true, effect: PreferNoSchedule}", "effect"),
+    ("{name: taint, effect: None}", "effect: None .* only for taintDevice"),
+    ("{name: quarantine, effect: None}", "effect: None"),
+    ("{name: quarantine, checkpointGrace: 60}", "checkpointGrace: only meaningful with perGpu"),
+    ("{name: quarantine, perGpu: true, effect: NoExecute, checkpointGrace: 60}", "with effect NoExecute"),
+    ("{name: cordon, scope: gpu}", "scope: not valid for action 'cordon'"),
+    ("{name: drain, scope: rack}", "scope"),
+])
+def test_per_gpu_attributes_are_refused_where_they_mean_nothing(action: str, message: str) -> None:
+    with pytest.raises(PolicyError, match=message):
+        load_yaml_text(policy(action))
+
+
+def test_drain_scope_and_the_dry_run_effect_load_where_they_mean_something() -> None:
+    assert load_yaml_text(policy("{name: drain, scope: gpu}")).rules[0].actions[0].scope == "gpu"
+    assert load_yaml_text(policy("{name: taintDevice, effect: None}")).rules[0].actions[0].effect == "None"

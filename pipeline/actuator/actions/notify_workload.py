@@ -2,7 +2,8 @@
 
 Lists the node's pods, reads the ReplicaSets/Jobs they name (to report Deployment, JobSet, CronJob, a
 training operator's kind, ...) and, when the incident has a PCI address and the API server serves DRA,
-the node's ResourceSlices and the pods' ResourceClaims (to know which pods hold the faulty GPU). Each
+the node's ResourceSlices and the pods' ResourceClaims (``pipeline.actuator.claims``: to know which pods hold
+the faulty GPU). Each
 affected pod (see ``pipeline.actuator.workload``) gets one Warning Event (deterministic name per
 incident and pod: a redelivery finds it) and the condition ``xidflow.dev/GPUFault`` through
 ``pods/status``, so a Job's ``podFailurePolicy`` can ignore the failure. The pods and their owners go
@@ -15,7 +16,7 @@ import asyncio
 from collections.abc import Mapping
 from typing import Any
 
-from pipeline.actuator import dra, effects, workload
+from pipeline.actuator import claims, dra, effects, workload
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.kube import Forbidden, Kube, NotFound
 from schemas.records import NodeIncident, Outcome
@@ -31,19 +32,6 @@ async def _read_owners(kube: Kube, keys: set[workload.Key]) -> dict[workload.Key
             return key, None  # gone or not ours to read: the owner is reported as the pod names it
 
     found = await asyncio.gather(*(one(k) for k in sorted(keys)))
-    return {k: obj for k, obj in found if obj is not None}
-
-
-async def _read_claims(kube: Kube, pods: list[dict[str, Any]]) -> dict[tuple[str, str], dict[str, Any]]:
-    wanted = sorted({(workload.pod_key(p)[0], c) for p in pods for c in workload.pod_claim_names(p)})
-
-    async def one(key: tuple[str, str]) -> tuple[tuple[str, str], dict[str, Any] | None]:
-        try:
-            return key, await kube.get_namespaced_object(dra.GROUP, dra.SLICE_VERSION, key[0], "resourceclaims", key[1])
-        except (NotFound, Forbidden):
-            return key, None  # that pod's devices stay unknown
-
-    found = await asyncio.gather(*(one(k) for k in wanted))
     return {k: obj for k, obj in found if obj is not None}
 
 
@@ -64,7 +52,7 @@ async def _attribution(
     faulty = workload.devices_with_pci(slices, pci)
     if not faulty:
         return set(), {}, f"no ResourceSlice device on the node has {workload.PCI_ATTRIBUTE}={pci}"
-    return faulty, await _read_claims(kube, pods), None
+    return faulty, await claims.read_claims(kube, pods), None
 
 
 async def _create_pod_event(kube: Kube, pod: Mapping[str, Any], name: str, message: str) -> bool:

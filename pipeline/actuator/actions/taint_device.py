@@ -2,8 +2,16 @@
 
 A DRA driver publishes each GPU of a node as a device in a ``ResourceSlice`` with the standard
 attribute ``resource.kubernetes.io/pciBusID``; the rule selects the faulty one by driver, pool and
-device name, so the scheduler keeps new claims off it (``NoSchedule``) or the eviction controller
-also evicts the pods using it (``NoExecute``). The node and its other GPUs keep serving.
+device name. The node and its other GPUs keep serving. The taint's effect (``DEVICE_EFFECTS``):
+
+- ``NoSchedule`` (the default): the scheduler keeps new claims off the GPU; the pods holding it keep running
+  until xidflow's own drain (``drain`` with ``scope: gpu``, which the per-GPU quarantine adds) evicts them through
+  the Eviction API: PodDisruptionBudgets hold and a checkpoint may be asked for first;
+- ``NoExecute``: Kubernetes' device-taint eviction controller deletes the pods holding the GPU itself, within a
+  second, with a plain delete: no PodDisruptionBudget, no checkpoint request (an explicit policy choice);
+- ``None``: a dry run (KEP-5055): nothing is kept off or evicted, and the controller writes in the rule's status
+  (condition ``EvictionInProgress``) how many pods ``NoExecute`` would evict. A dry-run rule never counts toward
+  ``maxTaintedDevices``.
 
 It escalates to the node quarantine (cordon + taint, as ``cordon`` and ``taint`` do, through the
 circuit breaker) when the catalog scopes the fault to the node (``scope`` column: fallen off the
@@ -62,7 +70,10 @@ NODE_ANNOTATION = "xidflow.dev/node"
 FLOW_ANNOTATION = "xidflow.dev/flow"
 EFFECT_PREFIX = "devicetaintrule:"
 DEFAULT_MAX_TAINTED_DEVICES = 2
-DEVICE_EFFECTS = ("NoSchedule", "NoExecute")
+DRY_RUN_EFFECT = "None"
+DEFAULT_DEVICE_EFFECT = "NoSchedule"
+DEVICE_EFFECTS = (DRY_RUN_EFFECT, "NoSchedule", "NoExecute")
+"""What a DeviceTaintRule's taint may say (resource.k8s.io/v1beta2 ``DeviceTaintEffect``)."""
 
 _LABEL_VALUE = re.compile(r"^(([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9])?$")
 
@@ -101,13 +112,34 @@ def is_ours(rule: Mapping[str, Any]) -> bool:
     return ((rule.get("metadata") or {}).get("labels") or {}).get(MANAGED_BY) == MANAGED_BY_VALUE
 
 
+def rule_effect(rule: Mapping[str, Any]) -> str:
+    return str((((rule.get("spec") or {}).get("taint") or {}).get("effect")) or "")
+
+
 def tainted_pcis(rules: Iterable[Mapping[str, Any]]) -> set[str]:
-    """PCI bus ids of the GPUs xidflow's rules quarantine (rules of other tools are not counted)."""
+    """PCI bus ids of the GPUs xidflow's rules quarantine (rules of other tools and dry runs are not counted)."""
     return {
         str(annotations[PCI_ANNOTATION])
         for r in rules
-        if is_ours(r) and PCI_ANNOTATION in (annotations := (r.get("metadata") or {}).get("annotations") or {})
+        if is_ours(r) and rule_effect(r) != DRY_RUN_EFFECT
+        and PCI_ANNOTATION in (annotations := (r.get("metadata") or {}).get("annotations") or {})
     }
+
+
+def rule_devices(rules: Iterable[Mapping[str, Any]]) -> tuple[set[tuple[str, str, str]], list[str]]:
+    """The devices (driver, pool, device) xidflow's rules take out of service, and the names of its dry-run rules
+    (effect None: they take nothing out). Pure."""
+    devices: set[tuple[str, str, str]] = set()
+    dry: list[str] = []
+    for rule in rules:
+        if not is_ours(rule):
+            continue
+        if rule_effect(rule) == DRY_RUN_EFFECT:
+            dry.append(str((rule.get("metadata") or {}).get("name")))
+            continue
+        selector = (rule.get("spec") or {}).get("deviceSelector") or {}
+        devices.add((str(selector.get("driver", "")), str(selector.get("pool", "")), str(selector.get("device", ""))))
+    return devices, sorted(dry)
 
 
 class Verdict(StrEnum):
@@ -145,11 +177,11 @@ def pick_devices(
 
 def decide(
     scope: str, what: str, pci: str | None, devices: list[DeviceRef], tainted: set[str], cap: int,
-    rules_served: bool = True, instance: str = "",
+    rules_served: bool = True, instance: str = "", effect: str = DEFAULT_DEVICE_EFFECT,
 ) -> Decision:
     """Device or node quarantine, and why. ``what`` names the fault (``Xid 48``); ``tainted`` are the PCI ids
     xidflow's rules already quarantine on the node; ``instance`` says which MIG instance the devices are, if any
-    (``pick_devices``)."""
+    (``pick_devices``); ``effect`` is the device taint's (a dry run, ``None``, never escalates over the cap)."""
     if scope != "gpu":
         return Decision(Verdict.NODE, f"{what} takes out the node (catalog scope {scope}): node quarantine")
     if not pci:
@@ -162,15 +194,18 @@ def decide(
         )
     if not rules_served:
         return Decision(Verdict.NODE, f"the API server does not serve {RULES}.{GROUP}/{RULE_VERSION}: node quarantine")
+    devs = ", ".join(d.device for d in devices)
+    which = f"; {instance}" if instance else ""
+    if effect == DRY_RUN_EFFECT:
+        return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}{which}) tainted with effect None, a dry run: nothing kept "
+                                        "off it or evicted; the rule's status says what NoExecute would evict")
     count = len(tainted | {pci})
     if count > cap:
         return Decision(
             Verdict.DEVICE_AND_NODE,
             f"{count} GPUs of the node tainted by xidflow, more than maxTaintedDevices={cap}: node quarantine too",
         )
-    devs = ", ".join(d.device for d in devices)
-    which = f"; {instance}" if instance else ""
-    return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}{which}) tainted; {count} of at most {cap} on the node")
+    return Decision(Verdict.DEVICE, f"GPU {pci} ({devs}{which}) tainted {effect}; {count} of at most {cap} on the node")
 
 
 def scope_of(incident: NodeIncident | None, catalog: Catalog | None = None) -> str:
@@ -184,10 +219,11 @@ def scope_of(incident: NodeIncident | None, catalog: Catalog | None = None) -> s
     return catalog.scope(incident.kind.value, incident.code)
 
 
-def device_effect(spec_effect: str | None, settings_effect: str) -> str:
-    """The device taint's effect: the rule's, else the node taint's setting (PreferNoSchedule: NoSchedule)."""
-    effect = spec_effect or settings_effect
-    return effect if effect in DEVICE_EFFECTS else "NoSchedule"
+def device_effect(spec_effect: str | None) -> str:
+    """The device taint's effect: the rule's, else ``NoSchedule``. The node taint's setting
+    (``XIDFLOW_ACTUATOR_TAINT_EFFECT``) does not apply: a NoExecute device taint deletes pods past their
+    PodDisruptionBudgets, so only a rule that says so asks for it."""
+    return spec_effect if spec_effect in DEVICE_EFFECTS else DEFAULT_DEVICE_EFFECT
 
 
 def effect_key(name: str) -> str:
@@ -210,6 +246,19 @@ async def node_rules(kube: Kube, node: str) -> list[dict[str, Any]] | None:
         return await kube.list_cluster_objects_all(GROUP, RULE_VERSION, RULES, label_selector=selector)
     except NotFound:
         return None
+
+
+async def flow_devices(kube: Kube, ledger: Ledger, flow: str) -> tuple[set[tuple[str, str, str]], list[str]]:
+    """The devices the flow's DeviceTaintRules (those the ledger records the flow owns) take out of service, and
+    the flow's dry-run rules (``rule_devices``). A rule deleted meanwhile counts for nothing."""
+    names = [key.removeprefix(EFFECT_PREFIX) for key in ledger.effects_owned_by(flow) if key.startswith(EFFECT_PREFIX)]
+    rules = []
+    for name in names:
+        try:
+            rules.append(await kube.get_cluster_object(GROUP, RULE_VERSION, RULES, name))
+        except NotFound:
+            continue
+    return rule_devices(rules)
 
 
 async def create_rule(kube: Kube, body: dict[str, Any]) -> tuple[bool, bool]:
@@ -247,7 +296,8 @@ async def _quarantine_node(ctx: StepContext, step: StepLike) -> tuple[str, bool]
             return f"node quarantine refused: {admission.reason}", False
     key = spec.key or settings.taint_key
     value = spec.value or (problem.taint_value if problem else "gpu-fault")
-    effect = spec.effect or settings.taint_effect
+    # A device dry run (effect None) still quarantines a node it escalates to, with the node taint's setting.
+    effect = spec.effect if spec.effect and spec.effect != DRY_RUN_EFFECT else settings.taint_effect
 
     def mutate(view: NodeView, led: Ledger) -> tuple[effects.NodeChange, tuple[str, bool]]:
         cordon = effects.cordon_change(view, led, plan.flow_key)
@@ -281,8 +331,9 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
         devices, instance = pick_devices(await node_slices(ctx.kube, plan.node), pci, gpu_instance)
         if devices:
             rules = await node_rules(ctx.kube, plan.node)
+    effect = device_effect(spec.effect)
     decision = decide(scope, what, pci, devices, tainted_pcis(rules or []), cap, rules_served=rules is not None,
-                      instance=instance)
+                      instance=instance, effect=effect)
     details: dict[str, Any] = {"scope": scope, "pci": pci, "verdict": decision.verdict.value}
     if gpu_instance is not None:
         details["gpu_instance"] = gpu_instance
@@ -293,7 +344,6 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
         problem = plan.problem
         key = spec.key or settings.taint_key
         value = spec.value or (problem.taint_value if problem else "gpu-fault")
-        effect = device_effect(spec.effect, settings.taint_effect)
         names = []
         for device in devices:
             name = rule_name(plan.node, pci, device)
@@ -305,6 +355,7 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
             if ours:
                 owns.append(effect_key(name))
         details["rules"] = names
+        details["effect"] = effect
         details["devices"] = [dataclasses.asdict(d) for d in devices]
     reason = decision.reason
     if decision.verdict in (Verdict.NODE, Verdict.DEVICE_AND_NODE):

@@ -39,6 +39,62 @@ app.kubernetes.io/instance: {{ $root.Release.Name }}
 app.kubernetes.io/component: {{ index . 1 }}
 {{- end -}}
 
+{{/* Labels of one component's pods: its selector labels and part-of, by which the actuator's drain knows
+     xidflow's own pods and leaves them alone (pipeline/actuator/actions/drain.py, own_pods). (list $ "component") */}}
+{{- define "xidflow.podLabels" -}}
+{{ include "xidflow.selectorLabels" . }}
+app.kubernetes.io/part-of: xidflow
+{{- end -}}
+
+{{/* Affinity of a control component (worker, actuator, loki-tail): off the GPU nodes (gpuNodeSelector) as
+     avoidGpuNodes says, plus the component's own `affinity`, each of whose keys (nodeAffinity, podAffinity,
+     podAntiAffinity) replaces the default one. (list $ componentValues defaults) */}}
+{{- define "xidflow.controlAffinity" -}}
+{{- $root := index . 0 -}}
+{{- $own := (index . 1).affinity | default dict -}}
+{{- $aff := deepCopy (index . 2) -}}
+{{- $avoid := $root.Values.avoidGpuNodes -}}
+{{- if and $avoid $root.Values.gpuNodeSelector -}}
+{{- /* A GPU node carries every label of gpuNodeSelector: a node lacking any one of them is not one. */ -}}
+{{- $terms := list -}}
+{{- range $k, $val := $root.Values.gpuNodeSelector -}}
+{{- $terms = append $terms (dict "matchExpressions" (list (dict "key" $k "operator" "NotIn" "values" (list $val)))) -}}
+{{- end -}}
+{{- if eq $avoid "required" -}}
+{{- $_ := set $aff "nodeAffinity" (dict "requiredDuringSchedulingIgnoredDuringExecution" (dict "nodeSelectorTerms" $terms)) -}}
+{{- else if eq $avoid "preferred" -}}
+{{- $prefs := list -}}
+{{- range $terms -}}
+{{- $prefs = append $prefs (dict "weight" 100 "preference" .) -}}
+{{- end -}}
+{{- $_ := set $aff "nodeAffinity" (dict "preferredDuringSchedulingIgnoredDuringExecution" $prefs) -}}
+{{- else -}}
+{{- fail (printf "avoidGpuNodes: %q is not required, preferred or empty" $avoid) -}}
+{{- end -}}
+{{- end -}}
+{{- range $k, $val := $own -}}
+{{- $_ := set $aff $k $val -}}
+{{- end -}}
+{{- if $aff -}}
+affinity: {{- toYaml $aff | nindent 2 }}
+{{- end -}}
+{{- end -}}
+
+{{/* Tolerations of a control component: xidflow's own quarantine taint when its effect is NoExecute (a
+     quarantine must never make Kubernetes evict xidflow itself from a node it runs on), then the component's
+     own. (list $ componentValues) */}}
+{{- define "xidflow.controlTolerations" -}}
+{{- $root := index . 0 -}}
+{{- $own := (index . 1).tolerations | default list -}}
+tolerations:
+  - key: {{ $root.Values.actuator.taint.key }}
+    operator: Exists
+    effect: NoExecute
+{{- with $own }}
+{{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
 {{- define "xidflow.componentLabels" -}}
 {{ include "xidflow.labels" (index . 0) }}
 app.kubernetes.io/component: {{ index . 1 }}
