@@ -10,12 +10,14 @@ What does not fit the console's width is left out, never cut: the live view keep
 state and adds the other columns while they fit (all but the pod count fit 80 columns with the demo's
 names); the details (what xidflow applied and why, incidents, boot ids, the kernel-line path, the last
 action, the pods' names, the audit reasons) are the ``-o wide`` columns, printed after the run by
-``xidflow demo --details``. Below the fleet, the pods Kubernetes moved, as ``kubectl get pods`` would
-list them: where each evicted pod was, and where its controller's new pod runs now.
+``xidflow demo --details``. Below the fleet, when the repair loop (docs/repair.md) touched any of its
+nodes, their repair history as ``xidflow status NODE`` prints it (nothing when it touched none); then the
+pods Kubernetes moved, as ``kubectl get pods`` would list them: where each evicted pod was, and where its
+controller's new pod runs now.
 
-A column is a ``Column`` in a list (``FLEET_COLUMNS``, ``MOVE_COLUMNS``, ``AUDIT_COLUMNS``) over rows
-that are plain mappings: another column (a node's repair history, say) is a field in the row and an
-entry in the list.
+A column is a ``Column`` in a list (``FLEET_COLUMNS``, ``REPAIR_COLUMNS``, ``MOVE_COLUMNS``,
+``AUDIT_COLUMNS``) over rows that are plain mappings: another column is a field in the row and an entry in
+the list.
 The expectations are one line each, with the reason in a last column when every reason fits the
 width, else wrapped at words on the lines below its expectations.
 """
@@ -36,7 +38,7 @@ from rich.text import Text
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.commands.output import COLUMN_GAP, Column, age, joined, render_table
-from pipeline.commands.status import STATUS_COLUMNS, node_rows
+from pipeline.commands.status import HISTORY_COLUMNS, STATUS_COLUMNS, history_rows, node_rows
 
 ID_CHARS = 8
 SYSTEM_TAINT_PREFIX = "node.kubernetes.io/"
@@ -117,6 +119,7 @@ FLEET_COLUMNS = [
     Column("pods", lambda r: str(len(r["pods"]))),
     Column("effects", _status_cell("effects"), wide_only=True),
     Column("why", _status_cell("why"), wide_only=True),
+    Column("repair", _status_cell("repair"), wide_only=True),
     Column("incidents", lambda r: joined([short_id(i["id"]) for i in r["incidents"]]), wide_only=True),
     Column("boot", lambda r: r["boot"] or "-", wide_only=True),
     Column("lines-via", lambda r: r["kernel_path"] or "-", wide_only=True),
@@ -175,6 +178,17 @@ AUDIT_COLUMNS = [
     Column("reason", lambda r: r["reason"], wide_only=True),
 ]
 AUDIT_REQUIRED = ("NODE", "ACTION", "OUTCOME")
+
+REPAIR_COLUMNS = [Column("node", lambda r: r["node"]), *HISTORY_COLUMNS]
+"""A node's repair history as ``xidflow status NODE`` prints it, with the node's name: the demo shows every node's."""
+REPAIR_REQUIRED = ("NODE", "STAGE")
+REPAIR_HEADING = "repair history (docs/repair.md)"
+
+
+def repair_rows(fleet: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every step of every repair case of the fleet's nodes (``fleet_rows``), oldest first; empty when the repair
+    loop touched none of them."""
+    return sorted((h for row in fleet for h in history_rows(row)), key=lambda r: float(r["at"] or 0))
 
 
 def fitted_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], width: int,
@@ -285,14 +299,19 @@ class Snapshot:
 
 
 def live_view(snap: Snapshot) -> Lines:
-    """The fleet, one line per node, the pods that moved and the latest audit records, fitted to the width."""
+    """The fleet, one line per node, the nodes' repair history when the repair loop touched any, the pods that
+    moved and the latest audit records, fitted to the width."""
     fleet, moved, audit = snap.fleet(), snap.moved(), snap.audit_tail()
+    repairs = repair_rows(fleet)
 
     def make(width: int) -> list[Text]:
         out = [_heading(snap.title)]
         if fleet:
             lines = fitted_table(fleet, FLEET_COLUMNS, width, FLEET_REQUIRED)
             out += _table_text(lines, _style_states(lines[0]))
+        if repairs:
+            out += [Text(""), _heading(REPAIR_HEADING), *_table_text(fitted_table(repairs, REPAIR_COLUMNS, width,
+                                                                                  REPAIR_REQUIRED))]
         out += [Text(""), _heading(snap.moves_heading())]
         if moved:
             out += _table_text(fitted_table(moved, MOVE_COLUMNS, width, MOVE_REQUIRED))
@@ -310,10 +329,14 @@ def details(snap: Snapshot) -> Lines:
     Lines may be longer than the console; print it with ``soft_wrap=True`` so that none is cut.
     """
     fleet, moved, audit = snap.fleet(), snap.moved(), snap.audit_tail()
+    repairs = repair_rows(fleet)
 
     def make(_: int) -> list[Text]:
         lines = wide_table(fleet, FLEET_COLUMNS)
         out = [Text(""), _heading(f"{snap.title} (details)"), *_table_text(lines, _style_states(lines[0]))]
+        if repairs:
+            out += [Text(""), _heading(f"{REPAIR_HEADING} (details)"), *_table_text(wide_table(repairs,
+                                                                                               REPAIR_COLUMNS))]
         out += [Text(""), _heading(f"{snap.moves_heading()} (details)")]
         if moved:
             out += _table_text(wide_table(moved, MOVE_COLUMNS))

@@ -242,17 +242,40 @@ def test_details_are_every_column_whole_whatever_the_width() -> None:
     text = printed(view.details(snapshot()), 80, soft_wrap=True)
     assert text.startswith("\nGPU fleet")  # it follows the live view, whose last line may lack its newline
     header = next(line for line in text.splitlines() if line.startswith("NODE "))
-    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS", "PODS", "EFFECTS", "WHY", "INCIDENTS", "BOOT",
-                              "LINES-VIA", "LAST-ACTION", "POD-NAMES"]
+    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS", "PODS", "EFFECTS", "WHY", "REPAIR",
+                              "INCIDENTS", "BOOT", "LINES-VIA", "LAST-ACTION", "POD-NAMES"]
     row = line_of(text, NODES[2])[0].split("   ")
     assert [c.strip() for c in row if c.strip()] == [
         NODES[2], "Quarantined", "sxid 24007", "75s", TAINT, "2", "condition/GpuSXid,cordon,taint/NoSchedule",
-        "RESTART_BM", "1b2c3d4e", "1c9e4f7a", "Loki -> loki-tail -> Kafka", "cordon+taint+condition 1b2c3d4e 12s ago",
-        f"llm-train-2,{EVAL}-00002"]
+        "RESTART_BM", "-", "1b2c3d4e", "1c9e4f7a", "Loki -> loki-tail -> Kafka",
+        "cordon+taint+condition 1b2c3d4e 12s ago", f"llm-train-2,{EVAL}-00002"]
     moved = text.split(f"{view.MOVES_HEADING}: 3", 1)[1].splitlines()
     assert moved[1].split() == ["POD", "FROM", "TO", "STATUS", "AGE", "CONTROLLER", "REPLACES"]
     assert moved[2].split()[-1] == f"{EVAL}-hr4dm"  # the pod the ReplicaSet's new one replaces
     assert "quarantines the node and brings a warm standby into service" in text  # audit reasons, one line each
+
+
+def test_the_repair_history_shows_only_when_the_repair_loop_touched_a_node() -> None:
+    """No repair case on the fleet: the screen has no repair section. A node in the repair loop: its history as
+    ``xidflow status NODE`` prints it, below the fleet, and its place in the loop in the details."""
+    from pipeline.actuator import repaircase
+    from tests.unit.test_repaircase import opened
+
+    assert view.REPAIR_HEADING not in printed(view.live_view(snapshot()), 200)
+    ledger, _ = opened()
+    repaircase.record_diagnostics(ledger, "inc-1", "j1", "fail", "", {}, NOW - 5)
+    nodes = fleet()
+    nodes[1]["metadata"]["annotations"][LEDGER_ANNOTATION] = ledger.to_annotation()
+    snap = view.Snapshot(title="GPU fleet", nodes=nodes, standby_label=STANDBY_LABEL, order=[*NODES, STANDBY], now=NOW)
+    for width in (80, 200):
+        text = printed(view.live_view(snap), width)
+        history = text.split(view.REPAIR_HEADING, 1)[1].split(view.MOVES_HEADING, 1)[0].splitlines()
+        assert history[1].split()[:4] == ["NODE", "TIME", "STAGE", "CLASS"]
+        rows = [line.split() for line in history[2:] if line.strip()]
+        assert [r[0] for r in rows] == [NODES[1], NODES[1]] and all(r[3] == "repairing" for r in rows)
+    details = printed(view.details(snap), 80, soft_wrap=True)
+    assert "repairing (GpuFellOffBus, 1/2 failed)" in line_of(details, NODES[1])[0]
+    assert f"{view.REPAIR_HEADING} (details)" in details
 
 
 def test_result_line() -> None:
