@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
+from hypothesis import HealthCheck, settings
 
 from pipeline.localinfra.kafka import KafkaCluster
 from pipeline.localinfra.launcher import Endpoints, LocalInfra
@@ -33,6 +34,11 @@ _SESSION_TAG = uuid.uuid4().hex[:6]
 NODE_MONITOR_GRACE_S = 20
 NODE_LEASE_S = 10
 _counter = itertools.count(1)
+
+# Speed is measured in the bench, not asserted in tests: Hypothesis's per-example deadline and its
+# "input generation is slow" check are timings, and they failed property tests on a busy 2-core machine.
+settings.register_profile("xidflow", deadline=None, suppress_health_check=[HealthCheck.too_slow])
+settings.load_profile("xidflow")
 
 
 def _log(msg: str) -> None:
