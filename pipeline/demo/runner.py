@@ -5,13 +5,17 @@ node, like the DaemonSet; see :mod:`pipeline.demo.shipping`) that tails the node
 container logs into Kafka, its kubernetes filter asking the API server with a ServiceAccount token;
 one node's kernel lines go through a real Loki and ``xidflow loki-tail`` instead (the path of
 Konduktor's Loki-based controller). The worker parses and aggregates them, the actuators act on a real
-API server. The demo only plays the parts a cluster would: the nodes' kernels and container runtimes
-(they write the log files), kubelets (node status, a reboot is a new boot id), the node's reboot daemon
-(it answers the actuator's reboot-request annotation) and the node probe (its health-check records go to
-Kafka directly, as the probe's own producer sends them).
+control plane: the fleet (:mod:`pipeline.demo.fleet`) is KWOK's nodes running a StatefulSet and a
+Deployment with PDBs, so the scheduler places the pods, KWOK runs them, the disruption controller keeps
+the budgets, and after xidflow's drains the StatefulSet and ReplicaSet controllers re-create the evicted
+pods and the scheduler places them; the demo watches where they go (:mod:`pipeline.demo.observed`).
+The demo only plays what the machines do: their kernels and container runtimes (they write the log
+files, a container's log appears when its pod runs on the node), the node's reboot daemon (it answers
+the actuator's reboot-request annotation: ``machines.reboot``, a new boot id) and the node probe (its
+health-check records go to Kafka directly, as the probe's own producer sends them).
 
-One module (about 480 lines): the demo is one script from start to verdict; its parts (the fleet, the
-shippers, the scenario, the view) live in their own modules beside it.
+One module (about 560 lines): the demo is one script from start to verdict; its parts (the fleet, what
+Kubernetes did, the shippers, the scenario, the view) live in their own modules beside it.
 """
 
 from __future__ import annotations
@@ -21,9 +25,11 @@ import contextlib
 import os
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,13 +37,17 @@ from typing import Any
 
 import orjson
 from aiokafka import AIOKafkaProducer
-from kubernetes import client, config
+from kubernetes import client, watch
+from kubernetes.client.rest import ApiException
 from rich.console import Console
 from rich.live import Live
 
+from pipeline.actuator.kube import Kube
+from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo import view
-from pipeline.demo.fleet import STANDBY_LABEL, Fleet
+from pipeline.demo.fleet import STANDBY_LABEL, Fleet, pods_by_node
+from pipeline.demo.observed import HEALTHY, Budgets, PodMoves
 from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEX, STEPS, Emit, Step
 from pipeline.demo.shipping import (
     FLUENT_BIT_VERSION,
@@ -96,15 +106,18 @@ class DemoRun:
     fluent_bit_access: FluentBitAccess | None = None
     rebooted: set[str] = field(default_factory=set)
     shipped: dict[str, int] = field(default_factory=lambda: {"kernel": 0, "pod": 0, "pod_with_metadata": 0})
+    moves: PodMoves = field(default_factory=PodMoves)  # the pods Kubernetes moved
+    budgets: Budgets = field(default_factory=Budgets)  # every PDB status the disruption controller wrote
+    pods: list[dict[str, Any]] = field(default_factory=list)  # the workloads' pods at the last look
+    evicted: list[tuple[str, str]] = field(default_factory=list)  # (node, pod) xidflow's drains evicted (audit)
+    answering: list[str] = field(default_factory=list)  # nodes whose Fluent Bit answers its health endpoint
 
     def __post_init__(self) -> None:
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=self.kubeconfig, client_configuration=cfg)
-        self.api = client.ApiClient(cfg)
-        self.core = client.CoreV1Api(self.api)
+        self.kube = Kube.from_config(self.kubeconfig, 8)
+        self.api = self.kube.api_client
         self.topics = TopicNames(prefix=f"demo-{self.run_id}.")
         # The nodes run on this machine: they first boot on its boot id, which Fluent Bit's Lua filter stamps.
-        self.fleet = Fleet(self.api, self.run_id, first_boot_id=read_boot_id())
+        self.fleet = Fleet(self.kube, self.run_id, first_boot_id=read_boot_id())
         self.namespace = f"xidflow-demo-{self.run_id}"
         self.workdir.mkdir(parents=True, exist_ok=True)
 
@@ -160,14 +173,20 @@ class DemoRun:
                                                  folder / "access", log=log)
         kube = self.fluent_bit_access.create()
         rdkafka = rdkafka_credentials()
-        pods = self.fleet.pods_by_node()
         for node in self.fleet.nodes + self.fleet.standby:
             render = Render(root=folder / node, kernel_source="file-kmsg", kernel_topic=self.topics.name("logs_kernel"),
                             pods_topic=self.topics.name("logs_pods"), kube=kube, rdkafka=rdkafka)
-            shipper = NodeShipper(folder / node, node, self.bootstrap, render, log=log)
-            shipper.add_container_logs(self.fleet.namespace, pods.get(node, []), self.run_id)
-            self.shippers[node] = shipper
-        start_all(self.shippers.values())
+            self.shippers[node] = NodeShipper(folder / node, node, self.bootstrap, render, log=log)
+        self.container_logs()
+        start_all(self.shippers.values(), started=lambda s: self.answering.append(s.node))
+
+    def container_logs(self) -> None:
+        """The container runtime's part: a running pod's container log appears on its node (empty until it logs)."""
+        for pod in self.pods:
+            node, meta = (pod.get("spec") or {}).get("nodeName"), pod["metadata"]
+            shipper = self.shippers.get(node or "")
+            if shipper is not None and (meta["namespace"], meta["name"]) not in shipper.container_files:
+                shipper.add_container_logs(meta["namespace"], [meta["name"]], f"{self.run_id}/{meta['uid']}")
 
     def start_processes(self) -> None:
         # The Fluent Bits come up while Loki, the worker and the actuators start (each waits for its health).
@@ -179,6 +198,11 @@ class DemoRun:
             for i in range(1, self.actuators + 1):
                 self._spawn(f"actuator-{i}", "actuator", "--kubeconfig", self.kubeconfig)
             fluent_bits.result()
+
+    def processes_started(self) -> str:
+        """How far ``start_processes`` is."""
+        loki = "Loki ready" if self.loki_url else "Loki starting"
+        return f"{len(self.answering)}/{len(self.fleet.nodes + self.fleet.standby)} Fluent Bits answering, {loki}"
 
     def check_processes(self) -> None:
         for node, shipper in self.shippers.items():
@@ -222,8 +246,11 @@ class DemoRun:
         try:
             async for msg in consumer:
                 with contextlib.suppress(Exception):
-                    self.audit.append(RemediationRecord.from_bytes(msg.value))
+                    rec = RemediationRecord.from_bytes(msg.value)
+                    self.audit.append(rec)
                     self.audit_count += 1
+                    if rec.action == "drain":  # the pods it evicted through the Eviction API: "<namespace>/<pod>"
+                        self.evicted += [(rec.node, p.split("/", 1)[-1]) for p in rec.details.get("evicted") or []]
         finally:
             await consumer.stop()
 
@@ -268,7 +295,9 @@ class DemoRun:
                 raise RuntimeError(f"the scenario logs kernel lines on {node} after its simulated reboot")
             shipper.write_kernel(lines)
             return shipper
-        pods = self.fleet.pods_by_node().get(node) or [pod for _, pod in shipper.container_files]
+        pods = pods_by_node(self.pods, [node])[node]  # the pods running there now, oldest first
+        if not pods:
+            raise RuntimeError(f"the scenario logs pod lines on {node}, where no pod of the workloads runs")
         shipper.write_pod(self.fleet.namespace, pods[e.pod_index % len(pods)], lines)
         return shipper
 
@@ -295,33 +324,36 @@ class DemoRun:
             await producer.send_and_wait(self.topics.name("health_checks"), rec.to_bytes(), key=node.encode())
 
     # -- cluster view -----------------------------------------------------------------------------
-    def node_states(self) -> dict[str, dict[str, Any]]:
+    async def node_states(self) -> dict[str, dict[str, Any]]:
+        """One look at the cluster: the fleet's nodes and the workloads' pods (what moved since the last look)."""
+        nodes, self.pods = await asyncio.gather(self.kube.list_nodes(self.fleet.selector), self.fleet.pods())
         out: dict[str, dict[str, Any]] = {}
-        for n in self.core.list_node(label_selector=self.fleet.selector).items:
-            ann = n.metadata.annotations or {}
-            taints = [f"{t.key}={t.value or ''}:{t.effect}" for t in (n.spec.taints or [])
-                      if not t.key.startswith("node.kubernetes.io/")]
-            conds = [c.type for c in (n.status.conditions or []) if c.type.startswith("Gpu") and c.status == "True"]
-            out[n.metadata.name] = {
-                "unschedulable": bool(n.spec.unschedulable),
-                "standby": (n.metadata.labels or {}).get(STANDBY_LABEL) == "true",
+        for n in nodes:
+            nv = NodeView.from_object(n)
+            ann = nv.annotations
+            taints = [f"{t.get('key')}={t.get('value') or ''}:{t.get('effect')}" for t in nv.taints
+                      if not str(t.get("key", "")).startswith("node.kubernetes.io/")]
+            out[nv.name] = {
+                "unschedulable": nv.unschedulable,
+                "state": view.node_state(nv, STANDBY_LABEL),
                 "taints": taints,
-                "conditions": conds,
                 "last": ann.get(LAST_ACTION_ANNOTATION, ""),
                 "owned": LEDGER_ANNOTATION in ann,
                 "reboot": REBOOT_REQUEST_ANNOTATION in ann,
-                "boot": (n.status.node_info.boot_id if n.status.node_info else "")[:8],
-                "object": self.api.sanitize_for_serialization(n),  # what the screen shows (pipeline.demo.view)
+                "object": n,  # what the screen shows (pipeline.demo.view)
             }
+        self.moves.observe(self.pods, {name: s["state"] for name, s in out.items()}, time.time())
+        self.container_logs()
         return out
 
     def snapshot(self, states: dict[str, dict[str, Any]]) -> view.Snapshot:
-        via = {name: self.lines_via(name) for name in self.fleet.nodes + self.fleet.standby}
+        names = self.fleet.nodes + self.fleet.standby
+        via = {name: self.lines_via(name) for name in names}
         return view.Snapshot(
             title=f"GPU fleet, demo {self.run_id}: {self.phase}",
             nodes=[s["object"] for s in states.values() if "object" in s], standby_label=STANDBY_LABEL,
-            order=self.fleet.nodes + self.fleet.standby, kernel_paths=via, audit=list(self.audit),
-            audit_count=self.audit_count, audit_topic=self.topics.name("remediation_audit"))
+            order=names, kernel_paths=via, pods=pods_by_node(self.pods, names), moves=list(self.moves.moves),
+            audit=list(self.audit), audit_count=self.audit_count, audit_topic=self.topics.name("remediation_audit"))
 
     def render(self, states: dict[str, dict[str, Any]]) -> view.Lines:
         self.last_states = states
@@ -338,7 +370,7 @@ class DemoRun:
         states: dict = {}
         while time.monotonic() < deadline:
             self.check_processes()
-            states = await asyncio.to_thread(self.node_states)
+            states = await self.node_states()
             live.update(self.render(states))
             if cond(states):
                 return True, states
@@ -378,8 +410,9 @@ class DemoRun:
         node = self.fleet.nodes[REBOOT_NODE_INDEX - 1]
         self.phase = f"reboot of {node}"
         asked, _ = await self.wait_for(live, lambda s: s.get(node, {}).get("reboot"), self.step_timeout)
-        # The node's reboot daemon: reboots (new boot id) and its probe reports passing checks.
-        boot_id = await asyncio.to_thread(self.fleet.reboot, node)
+        # The node's reboot daemon: the machine reboots (a new boot id; KWOK reports the node Ready again) and
+        # its probe reports passing checks.
+        boot_id = await self.fleet.reboot(node)
         self.rebooted.add(node)
         await self.send_health(producer, node, boot_id)
         self.phase = f"recovery of {node}"
@@ -390,17 +423,55 @@ class DemoRun:
             "drained, reboot requested through the annotation hook" + ("" if asked else " (request not seen)")
             + ", new boot id with passing checks, then xidflow removed only what it applied"))
 
+    @contextlib.asynccontextmanager
+    async def timed(self, label: str, doing: str, how_far: Callable[[], str] | None = None,
+                    every: float = 5.0) -> AsyncIterator[None]:
+        """A set-up step: what it does, then every ``every`` seconds how far it is (``how_far``), then how long
+        it took. The step runs on the loop or on a thread (``asyncio.to_thread``): the loop says how far."""
+        self.console.print(f"{label}: {doing} ...")
+        started = time.monotonic()
+
+        async def tick() -> None:
+            while True:
+                await asyncio.sleep(every)
+                far = how_far() if how_far is not None else "still at it"
+                self.console.print(f"{label}: {far} ({time.monotonic() - started:.0f}s)")
+
+        ticker = asyncio.create_task(tick())
+        try:
+            yield
+        finally:
+            ticker.cancel()
+        self.console.print(f"{label}: done in {time.monotonic() - started:.1f}s")
+
+    async def create_fleet(self) -> None:
+        """The fleet as a user makes one: KWOK's nodes, then the workloads and PDBs (see pipeline.demo.fleet)."""
+        async with self.timed("fleet", f"registering {self.nodes} GPU nodes and 1 standby; KWOK makes them Ready"):
+            await self.fleet.create_nodes(self.nodes, 1)
+        doing = (f"{', '.join(f'{w.kind} {w.name} ({w.what})' for w in self.fleet.workloads)}, {self.nodes} pods "
+                 "each with a PDB; the scheduler places them, KWOK runs them")
+        seen = ["nothing yet"]
+        async with self.timed("workloads", doing, lambda: seen[0]):
+            await self.fleet.create_workloads(progress=lambda far: seen.__setitem__(0, far))
+        await self.node_states()  # the first look: where the scheduler put every pod
+        placed = pods_by_node(self.pods, self.fleet.nodes + self.fleet.standby)
+        self.console.print("fleet: " + ", ".join(f"{node} runs {' '.join(pods) or 'nothing'}"
+                                                 for node, pods in placed.items()))
+
     async def run(self) -> bool:
         con = self.console
         con.print(f"[bold]xidflow demo[/] run [cyan]{self.run_id}[/]: Kafka {self.bootstrap}, "
                   f"kubeconfig {self.kubeconfig}")
         await self.create_topics()
-        await asyncio.to_thread(self.core.create_namespace,
-                                client.V1Namespace(metadata=client.V1ObjectMeta(name=self.namespace)))
-        await asyncio.to_thread(self.fleet.create, self.nodes, 1)
-        con.print(f"fleet: {len(self.fleet.nodes)} GPU nodes + {len(self.fleet.standby)} standby, "
-                  f"{sum(len(p) for p in self.fleet.pods_by_node().values())} training pods with a PDB")
-        await asyncio.to_thread(self.start_processes)
+        await self.kube._call(self.kube.core.create_namespace, {"metadata": {"name": self.namespace}})
+        await self.create_fleet()
+        stop_watching = threading.Event()
+        budgets = threading.Thread(target=self.watch_budgets, args=(stop_watching,), name="demo-pdb-watch", daemon=True)
+        budgets.start()
+        doing = (f"starting {self.nodes + 1} Fluent Bit {FLUENT_BIT_VERSION} processes, Loki and its bridge, 1 worker "
+                 f"and {self.actuators} actuator replicas")
+        async with self.timed("processes", doing, self.processes_started):
+            await asyncio.to_thread(self.start_processes)
         con.print(f"started {len(self.shippers)} Fluent Bit {FLUENT_BIT_VERSION} processes (one per node, "
                   f"deploy/fluent-bit/fluent-bit.yaml), 1 worker and {self.actuators} actuator replicas "
                   f"(logs in {self.workdir})")
@@ -411,7 +482,6 @@ class DemoRun:
                   f"tenant {self.loki_org_id or '-'}) and travel Loki -> xidflow loki-tail -> Kafka")
         audit_task = asyncio.create_task(self.follow_audit())
         shipped_task = asyncio.create_task(self.follow_shipped())
-        pdb_task = asyncio.create_task(self._keep_pdb_status())
         producer = kafka_clients.producer(bootstrap=self.bootstrap, acks="all", linger_ms=5)
         await producer.start()
         try:
@@ -422,21 +492,95 @@ class DemoRun:
                 for step in STEPS:
                     await self.run_step(live, step)
                 await self.reboot_and_recover(live, producer)
+                await self.check_moves(live)
+                self.check_budgets()
                 await self.check_fluent_bit_records(live)
                 self.phase = "done"
-                live.update(self.render(await asyncio.to_thread(self.node_states)))
+                live.update(self.render(await self.node_states()))
         finally:
+            stop_watching.set()
             await producer.stop()
             audit_task.cancel()
-            pdb_task.cancel()
             shipped_task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await shipped_task
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await audit_task
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await pdb_task
+            if self.kube.http is not None:  # this loop's connections (cleanup runs on a loop of its own)
+                await self.kube.http.aclose()
         return self.summary()
+
+    def watch_budgets(self, stop: threading.Event) -> None:
+        """Every status the disruption controller writes to the workloads' PDBs (a watch, on its own thread)."""
+        policy = client.PolicyV1Api(self.api)
+        namespace, version = self.fleet.namespace, ""
+        while not stop.is_set():
+            try:
+                if not version:
+                    listed = policy.list_namespaced_pod_disruption_budget(namespace, _preload_content=False)
+                    page = orjson.loads(listed.data)
+                    for pdb in page.get("items") or []:
+                        self.budgets.observe(pdb)
+                    version = page["metadata"]["resourceVersion"]
+                # Short watches, each from where the last ended: no status is missed, and stop is seen at once.
+                for event in watch.Watch().stream(policy.list_namespaced_pod_disruption_budget, namespace,
+                                                  resource_version=version, timeout_seconds=2):
+                    pdb = event["raw_object"]
+                    version = (pdb.get("metadata") or {}).get("resourceVersion") or version
+                    if event["type"] in ("ADDED", "MODIFIED"):
+                        self.budgets.observe(pdb)
+            except ApiException as exc:
+                version = "" if exc.status == 410 else version  # too old: list again
+                stop.wait(0.5)
+            except Exception:  # noqa: BLE001 - an API server that blinked: watch again from the same version
+                stop.wait(0.5)
+
+    async def check_moves(self, live: Live) -> None:
+        """Every pod xidflow's drains evicted was re-created by its controller and runs where the scheduler put it:
+        on a node in service when it was placed, never on a quarantined one; the controllers count every replica
+        ready again."""
+        self.phase = "evicted pods re-created and placed by Kubernetes"
+
+        def judged() -> tuple[list[tuple[str, str]], list[Any]]:
+            moved = {(m.source, m.evicted): m for m in self.moves.moves}
+            evicted = list(dict.fromkeys(self.evicted))
+            return [e for e in evicted if e not in moved], [moved[e] for e in evicted if e in moved]
+
+        def settled(_: dict) -> bool:
+            lost, moves = judged()
+            return bool(moves) and not lost and all(m.running for m in moves)
+
+        await self.wait_for(live, settled, self.step_timeout)
+        lost, moves = judged()
+        ready = await self.fleet.ready()
+        pending = [m for m in moves if not m.running]
+        misplaced = [m for m in moves if m.running and m.target_state != HEALTHY]
+        short = [f"{kind} {name} {n}/{want}" for (kind, name), (n, want) in ready.items() if n < want]
+        problems = ([f"{len(lost)} not followed"] if lost else []) + ([f"{len(pending)} pending"] if pending else []) \
+            + ([f"{len(misplaced)} misplaced"] if misplaced else []) + ([f"{len(short)} short"] if short else [])
+        ok = bool(moves) and not problems
+        observed = "none evicted" if not self.evicted else ", ".join(problems) or "on healthy nodes"
+        where = "; ".join(f"{m.evicted} {m.source} -> {m.pod + ' ' if m.pod != m.evicted else ''}"
+                          f"{m.target or '(unplaced)'} ({m.target_state or m.status})" for m in moves)
+        counts = ", ".join(f"{kind} {name} {n}/{want} ready" for (kind, name), (n, want) in ready.items())
+        self.verdicts.append(Verdict(
+            "Drained pods re-created by Kubernetes", f"{len(moves) + len(lost)} pods", "on healthy nodes", observed, ok,
+            "xidflow's drains evicted them through the Eviction API; their StatefulSet and ReplicaSet controllers "
+            f"re-created them and the scheduler placed them, never on a quarantined node: {where or 'none'}; "
+            f"the controllers report {counts}"))
+
+    def check_budgets(self) -> None:
+        """The PDBs held: the disruption controller never reported fewer healthy pods than it desired."""
+        names = [w.name for w in self.fleet.workloads]
+        budgets = [self.budgets.by_name.get(n) for n in names]
+        ok = all(b is not None and b.respected for b in budgets)
+        seen = "; ".join(f"{n}: lowest {b.lowest_healthy} healthy of {b.desired_then} desired ({b.statuses} statuses)"
+                         if b else f"{n}: no status seen" for n, b in zip(names, budgets, strict=True))
+        self.verdicts.append(Verdict(
+            "PDBs kept by the disruption controller", f"{len(names)} PDBs", "respected",
+            "respected" if ok else "broken", ok,
+            "every status the disruption controller wrote, watched from the start (the Eviction API refuses an "
+            f"eviction the status does not allow): {seen}"))
 
     async def check_fluent_bit_records(self, live: Live) -> None:
         """Every line the demo wrote to a node's logs reached Kafka through Fluent Bit, pod lines with the
@@ -454,13 +598,6 @@ class DemoRun:
             f"{self.shipped['pod_with_metadata']} with the pod metadata the kubernetes filter read from the API "
             "server) with the shipped configuration"))
 
-    async def _keep_pdb_status(self) -> None:
-        while True:
-            with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.fleet.finalize_terminating_pods)
-                await asyncio.to_thread(self.fleet.sync_pdb)
-            await asyncio.sleep(1)
-
     def summary(self) -> bool:
         if self.details:
             self.console.print(view.details(self.snapshot(self.last_states)), soft_wrap=True)
@@ -472,6 +609,8 @@ class DemoRun:
         return ok
 
     def cleanup(self) -> None:
+        self.console.print("cleanup: stopping the demo's processes, deleting its workloads and nodes ...")
+        started = time.monotonic()
         self.stop_processes()
         if self.fluent_bit_access is not None:
             with contextlib.suppress(Exception):
@@ -479,6 +618,13 @@ class DemoRun:
         if self.loki_server is not None:
             self.loki_server.stop()
         with contextlib.suppress(Exception):
-            self.fleet.delete()
-        with contextlib.suppress(Exception):
-            self.core.delete_namespace(self.namespace)
+            asyncio.run(self._delete_cluster_objects())
+        self.console.print(f"cleanup: done in {time.monotonic() - started:.1f}s")
+
+    async def _delete_cluster_objects(self) -> None:
+        try:
+            await self.fleet.delete()
+            with contextlib.suppress(Exception):
+                await self.kube._call(self.kube.core.delete_namespace, self.namespace)
+        finally:
+            await self.kube.aclose()

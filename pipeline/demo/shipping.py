@@ -24,7 +24,7 @@ import hashlib
 import os
 import shutil
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -204,11 +204,18 @@ class NodeShipper:
         return self.fluent_bit.proc.pid if self.fluent_bit.proc else None
 
 
-def start_all(shippers: Iterable[NodeShipper], timeout: float = 60.0) -> None:
-    """Start the processes side by side (each waits for its health endpoint)."""
+def start_all(shippers: Iterable[NodeShipper], timeout: float = 60.0,
+              started: Callable[[NodeShipper], None] | None = None) -> None:
+    """Start the processes side by side (each waits for its health endpoint); ``started(shipper)`` once one answers."""
     shippers = list(shippers)
+
+    def start(shipper: NodeShipper) -> None:
+        shipper.fluent_bit.start(timeout, True)
+        if started is not None:
+            started(shipper)
+
     with ThreadPoolExecutor(max_workers=max(1, min(8, len(shippers)))) as pool:
-        for future in [pool.submit(s.fluent_bit.start, timeout, True) for s in shippers]:
+        for future in [pool.submit(start, s) for s in shippers]:
             future.result()
 
 

@@ -7,9 +7,17 @@ the width and when piped. Short state words (``Ready``, ``Quarantined``, ``Reboo
 the fault as ``xid 79``, ids cut to 8 characters, ages as ``12s``/``3m``.
 
 What does not fit the console's width is left out, never cut: the live view keeps the node and its
-state and adds the other columns while they fit (every column fits 80 columns with the demo's names);
-the details (what xidflow applied and why, incidents, boot ids, the kernel-line path, the last action,
-the audit reasons) are the ``-o wide`` columns, printed after the run by ``xidflow demo --details``.
+state and adds the other columns while they fit (all but the pod count fit 80 columns with the demo's
+names); the details (what xidflow applied and why, incidents, boot ids, the kernel-line path, the last
+action, the pods' names, the audit reasons) are the ``-o wide`` columns, printed after the run by
+``xidflow demo --details``. Below the fleet, when the repair loop (docs/repair.md) touched any of its
+nodes, their repair history as ``xidflow status NODE`` prints it (nothing when it touched none); then the
+pods Kubernetes moved, as ``kubectl get pods`` would list them: where each evicted pod was, and where its
+controller's new pod runs now.
+
+A column is a ``Column`` in a list (``FLEET_COLUMNS``, ``REPAIR_COLUMNS``, ``MOVE_COLUMNS``,
+``AUDIT_COLUMNS``) over rows that are plain mappings: another column is a field in the row and an entry in
+the list.
 The expectations are one line each, with the reason in a last column when every reason fits the
 width, else wrapped at words on the lines below its expectations.
 """
@@ -30,7 +38,7 @@ from rich.text import Text
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.commands.output import COLUMN_GAP, Column, age, joined, render_table
-from pipeline.commands.status import STATUS_COLUMNS, node_rows
+from pipeline.commands.status import HISTORY_COLUMNS, STATUS_COLUMNS, history_rows, node_rows
 
 ID_CHARS = 8
 SYSTEM_TAINT_PREFIX = "node.kubernetes.io/"
@@ -83,8 +91,10 @@ def node_state(view: NodeView, standby_label: str) -> str:
 
 
 def fleet_rows(nodes: Sequence[Mapping[str, Any]], *, standby_label: str, order: Sequence[str] = (),
-               kernel_paths: Mapping[str, str] | None = None, now: float | None = None) -> list[dict[str, Any]]:
-    """``xidflow status``'s rows with what the demo adds: state word, taints, boot id, kernel-line path."""
+               kernel_paths: Mapping[str, str] | None = None, pods: Mapping[str, Sequence[str]] | None = None,
+               now: float | None = None) -> list[dict[str, Any]]:
+    """``xidflow status``'s rows with what the demo adds: state word, taints, boot id, kernel-line path, and
+    the workloads' pods running on the node (``pods``: node -> pod names)."""
     now = time.time() if now is None else now
     views = {v.name: v for v in map(NodeView.from_object, nodes)}
     rows = node_rows(list(nodes), now=now)
@@ -94,6 +104,7 @@ def fleet_rows(nodes: Sequence[Mapping[str, Any]], *, standby_label: str, order:
         row["taints"] = [dict(t) for t in view.taints if not str(t.get("key", "")).startswith(SYSTEM_TAINT_PREFIX)]
         row["boot"] = view.boot_id[:ID_CHARS]
         row["kernel_path"] = (kernel_paths or {}).get(view.name, "")
+        row["pods"] = list((pods or {}).get(view.name, ()))
         row["last_action_short"] = short_last_action(row["last_action"], now)
     rank = {name: i for i, name in enumerate(order)}
     return sorted(rows, key=lambda r: (rank.get(r["node"], len(rank)), r["node"]))
@@ -105,14 +116,44 @@ FLEET_COLUMNS = [
     Column("fault", _status_cell("fault")),
     Column("age", _status_cell("age")),
     Column("taints", lambda r: joined(sorted({t["key"] for t in r["taints"]}))),
+    Column("pods", lambda r: str(len(r["pods"]))),
     Column("effects", _status_cell("effects"), wide_only=True),
     Column("why", _status_cell("why"), wide_only=True),
+    Column("repair", _status_cell("repair"), wide_only=True),
     Column("incidents", lambda r: joined([short_id(i["id"]) for i in r["incidents"]]), wide_only=True),
     Column("boot", lambda r: r["boot"] or "-", wide_only=True),
     Column("lines-via", lambda r: r["kernel_path"] or "-", wide_only=True),
     Column("last-action", lambda r: r["last_action_short"], wide_only=True),
+    Column("pod-names", lambda r: joined(r["pods"]), wide_only=True),
 ]
 FLEET_REQUIRED = ("NODE", "STATE")
+
+
+def move_rows(moves: Iterable[Any], now: float | None = None) -> list[dict[str, Any]]:
+    """Pods that moved (``pipeline.demo.observed.Move``), in the order they left their nodes."""
+    now = time.time() if now is None else now
+    return [{
+        "pod": m.pod or m.evicted,
+        "evicted": m.evicted,
+        "workload": f"{m.owner.lower() or 'pod'}/{m.workload}",
+        "from": m.source,
+        "to": m.target,
+        "status": m.status,
+        "age_seconds": now - m.left_at,
+    } for m in moves]
+
+
+MOVE_COLUMNS = [
+    Column("pod", lambda r: r["pod"]),
+    Column("from", lambda r: r["from"]),
+    Column("to", lambda r: r["to"] or "-"),
+    Column("status", lambda r: r["status"]),
+    Column("age", lambda r: age(r["age_seconds"])),
+    Column("controller", lambda r: r["workload"]),
+    Column("replaces", lambda r: r["evicted"], wide_only=True),
+]
+MOVE_REQUIRED = ("POD", "FROM", "TO")
+MOVES_HEADING = "pods moved by Kubernetes"
 
 
 def audit_rows(records: Iterable[Any], now: float | None = None) -> list[dict[str, Any]]:
@@ -137,6 +178,17 @@ AUDIT_COLUMNS = [
     Column("reason", lambda r: r["reason"], wide_only=True),
 ]
 AUDIT_REQUIRED = ("NODE", "ACTION", "OUTCOME")
+
+REPAIR_COLUMNS = [Column("node", lambda r: r["node"]), *HISTORY_COLUMNS]
+"""A node's repair history as ``xidflow status NODE`` prints it, with the node's name: the demo shows every node's."""
+REPAIR_REQUIRED = ("NODE", "STAGE")
+REPAIR_HEADING = "repair history (docs/repair.md)"
+
+
+def repair_rows(fleet: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Every step of every repair case of the fleet's nodes (``fleet_rows``), oldest first; empty when the repair
+    loop touched none of them."""
+    return sorted((h for row in fleet for h in history_rows(row)), key=lambda r: float(r["at"] or 0))
 
 
 def fitted_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[Column], width: int,
@@ -220,6 +272,8 @@ class Snapshot:
     standby_label: str
     order: Sequence[str] = ()
     kernel_paths: Mapping[str, str] = field(default_factory=dict)
+    pods: Mapping[str, Sequence[str]] = field(default_factory=dict)  # node -> the workloads' pods running there
+    moves: Sequence[Any] = ()  # pipeline.demo.observed.Move, in the order the pods left
     audit: Sequence[Any] = ()  # RemediationRecord, oldest first
     audit_count: int = 0
     audit_topic: str = ""
@@ -228,7 +282,14 @@ class Snapshot:
 
     def fleet(self) -> list[dict[str, Any]]:
         return fleet_rows(self.nodes, standby_label=self.standby_label, order=self.order,
-                          kernel_paths=self.kernel_paths, now=self.now)
+                          kernel_paths=self.kernel_paths, pods=self.pods, now=self.now)
+
+    def moved(self) -> list[dict[str, Any]]:
+        return move_rows(self.moves, self.now)
+
+    def moves_heading(self) -> str:
+        return (f"{MOVES_HEADING}: {len(self.moves)} (evicted by xidflow's drains, re-created by their "
+                "controllers, placed by the scheduler, run by KWOK)")
 
     def audit_tail(self) -> list[dict[str, Any]]:
         return audit_rows(list(self.audit)[-self.audit_shown:], self.now)
@@ -238,14 +299,22 @@ class Snapshot:
 
 
 def live_view(snap: Snapshot) -> Lines:
-    """The fleet, one line per node, and the latest audit records, fitted to the console's width."""
-    fleet, audit = snap.fleet(), snap.audit_tail()
+    """The fleet, one line per node, the nodes' repair history when the repair loop touched any, the pods that
+    moved and the latest audit records, fitted to the width."""
+    fleet, moved, audit = snap.fleet(), snap.moved(), snap.audit_tail()
+    repairs = repair_rows(fleet)
 
     def make(width: int) -> list[Text]:
         out = [_heading(snap.title)]
         if fleet:
             lines = fitted_table(fleet, FLEET_COLUMNS, width, FLEET_REQUIRED)
             out += _table_text(lines, _style_states(lines[0]))
+        if repairs:
+            out += [Text(""), _heading(REPAIR_HEADING), *_table_text(fitted_table(repairs, REPAIR_COLUMNS, width,
+                                                                                  REPAIR_REQUIRED))]
+        out += [Text(""), _heading(snap.moves_heading())]
+        if moved:
+            out += _table_text(fitted_table(moved, MOVE_COLUMNS, width, MOVE_REQUIRED))
         out += [Text(""), _heading(snap.audit_heading())]
         if audit:
             out += _table_text(fitted_table(audit, AUDIT_COLUMNS, width, AUDIT_REQUIRED))
@@ -259,11 +328,18 @@ def details(snap: Snapshot) -> Lines:
 
     Lines may be longer than the console; print it with ``soft_wrap=True`` so that none is cut.
     """
-    fleet, audit = snap.fleet(), snap.audit_tail()
+    fleet, moved, audit = snap.fleet(), snap.moved(), snap.audit_tail()
+    repairs = repair_rows(fleet)
 
     def make(_: int) -> list[Text]:
         lines = wide_table(fleet, FLEET_COLUMNS)
         out = [Text(""), _heading(f"{snap.title} (details)"), *_table_text(lines, _style_states(lines[0]))]
+        if repairs:
+            out += [Text(""), _heading(f"{REPAIR_HEADING} (details)"), *_table_text(wide_table(repairs,
+                                                                                               REPAIR_COLUMNS))]
+        out += [Text(""), _heading(f"{snap.moves_heading()} (details)")]
+        if moved:
+            out += _table_text(wide_table(moved, MOVE_COLUMNS))
         out += [Text(""), _heading(f"{snap.audit_heading()} (details)")]
         return out + _table_text(wide_table(audit, AUDIT_COLUMNS))
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 
@@ -31,6 +32,11 @@ def test_demo_completes_with_every_expectation_met(kafka_bootstrap: str, kubecon
     assert "demo passed" in out
     assert "WRONG" not in out
     assert "went through Loki -> xidflow loki-tail -> Kafka" in out  # the Konduktor path, on screen
+    # The pods a user sees moving were moved by Kubernetes: evicted by the drains, re-created by their
+    # controllers, placed by the scheduler on nodes in service; the PDBs kept by the disruption controller.
+    assert "Drained pods re-created by Kubernetes" in out and "PDBs kept by the disruption controller" in out
+    moved = re.findall(r"pods moved by Kubernetes: (\d+)", out)
+    assert moved and int(moved[-1]) >= 4, out[-6000:]  # both pods of each of the two drained nodes
     # The Fluent Bit path: real processes, every line delivered, pod lines resolved by the kubernetes filter.
     assert "Fluent Bit 5.1.1 processes (one per node" in out and "Shipped by Fluent Bit" in out
     fluent_bits = sorted((tmp_path / "demo" / "fluent-bit").glob("*/fluent-bit.log"))

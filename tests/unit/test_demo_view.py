@@ -13,6 +13,7 @@ from rich.console import Console
 from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATION, REBOOT_REQUEST_ANNOTATION
 from pipeline.demo import view
 from pipeline.demo.fleet import STANDBY_LABEL
+from pipeline.demo.observed import Move
 from pipeline.demo.runner import Verdict
 from pipeline.demo.scenario import STEPS
 from schemas.records import Outcome, RemediationRecord
@@ -80,11 +81,33 @@ def audit() -> list[RemediationRecord]:
             for i, action in enumerate(("cordon", "taint", "condition", "event", "enableWarmStandby"))]
 
 
+EVAL = "llm-eval-5978bcbc68"
+
+
+def moves() -> list[Move]:
+    """Node 2 drained: its StatefulSet pod re-created under its name, its Deployment pod under a new one."""
+    return [
+        Move("llm-eval", "ReplicaSet", f"{EVAL}-hr4dm", NODES[1], NOW - 20, f"{EVAL}-rk7hp", NODES[0], "Ready",
+             NOW - 19, True),
+        Move("llm-train", "StatefulSet", "llm-train-1", NODES[1], NOW - 20, "llm-train-1", NODES[0], "Ready",
+             NOW - 18, True),
+        Move("llm-train", "StatefulSet", "llm-train-3", NODES[3], NOW - 2, "llm-train-3", "", "", None, False),
+    ]
+
+
+def pods() -> dict[str, list[str]]:
+    out = {n: [f"llm-train-{i}", f"{EVAL}-{i:05d}"] for i, n in enumerate(NODES)}
+    out[NODES[0]] += ["llm-train-1", f"{EVAL}-rk7hp"]
+    out[NODES[1]] = []
+    out[NODES[3]] = [f"{EVAL}-00003"]
+    return out | {STANDBY: []}
+
+
 def snapshot() -> view.Snapshot:
     via = {n: "Fluent Bit -> Kafka" for n in [*NODES, STANDBY]} | {NODES[2]: "Loki -> loki-tail -> Kafka"}
     return view.Snapshot(title=f"GPU fleet, demo {RUN}: {STEPS[2].title}", nodes=fleet(), standby_label=STANDBY_LABEL,
-                         order=[*NODES, STANDBY], kernel_paths=via, audit=audit(), audit_count=57,
-                         audit_topic=f"demo-{RUN}.gpu.remediation.audit", now=NOW)
+                         order=[*NODES, STANDBY], kernel_paths=via, pods=pods(), moves=moves(), audit=audit(),
+                         audit_count=57, audit_topic=f"demo-{RUN}.gpu.remediation.audit", now=NOW)
 
 
 def verdicts() -> list[Verdict]:
@@ -118,20 +141,46 @@ def test_live_view_has_one_whole_line_per_node_with_its_state_and_taint(width: i
     lines = text.splitlines()
     assert all(len(line) <= width for line in lines)
     header = next(line for line in lines if line.startswith("NODE "))
-    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS"]  # every column fits 80
+    # Every column but the pod count fits 80; it comes where there is room.
+    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS"] + (["PODS"] if width > 80 else [])
+    counts = {name: len(p) for name, p in pods().items()}
     for name in [*NODES, STANDBY]:
         fleet_rows = [line for line in line_of(text, name) if line.startswith(name + " ")]
         assert len(fleet_rows) == 1, (name, text)
         row = fleet_rows[0].split()
         assert row[1] == STATES.get(name, "Ready")
+        if width > 80:
+            assert row[-1] == str(counts[name])
+            row = row[:-1]
         if name in (NODES[1], NODES[2], NODES[3], NODES[5]):
             assert row[-1] == TAINT
     # The fault, the age, short ids; nothing of the old screen's cut-off ids or timestamps.
-    assert line_of(text, NODES[1])[0].split()[2:5] == ["xid", "79", "3m20s"]
+    assert next(line for line in line_of(text, NODES[1]) if line.startswith(NODES[1])).split()[2:5] == [
+        "xid", "79", "3m20s"]
     assert line_of(text, NODES[2])[0].split()[2:5] == ["sxid", "24007", "75s"]
     assert line_of(text, NODES[3])[0].split()[2:5] == ["xid", "79", "12s"]  # the three-line fallen-off-bus form
     assert re.search(r"\b1b2c3d4e$", text, re.M) and "1b2c3d4e5" not in text
-    assert not re.search(r"[0-9a-f]{9,}", text) and " at 20" not in text
+    outside_pod_names = text.replace(EVAL, "llm-eval")  # a pod's name is whole, its template hash included
+    assert not re.search(r"[0-9a-f]{9,}", outside_pod_names) and " at 20" not in text
+
+
+@pytest.mark.parametrize("width", [80, 200])
+def test_live_view_lists_the_pods_kubernetes_moved_one_line_each(width: int) -> None:
+    text = printed(view.live_view(snapshot()), width)
+    heading = f"{view.MOVES_HEADING}: 3 "
+    assert heading in text.replace("\n", " ")
+    lines = text.split("run by KWOK)", 1)[1].strip().splitlines()
+    header = lines[0].split()
+    assert header == ["POD", "FROM", "TO", "STATUS", "AGE"] + (["CONTROLLER"] if width > 80 else [])
+    assert all(len(line) <= width for line in text.splitlines())
+    rows = [line.split() for line in lines[1:4]]
+    assert [r[:5] for r in rows[:2]] == [
+        [f"{EVAL}-rk7hp", NODES[1], NODES[0], "Running", "20s"],  # a ReplicaSet's new pod: a new name
+        ["llm-train-1", NODES[1], NODES[0], "Running", "20s"],  # a StatefulSet's: the same name, elsewhere
+    ]
+    assert rows[2][:5] == ["llm-train-3", NODES[3], "-", "Pending", "2s"]  # re-created, not placed yet
+    if width > 80:
+        assert rows[0][-1] == "replicaset/llm-eval" and rows[1][-1] == "statefulset/llm-train"
 
 
 @pytest.mark.parametrize("width", [80, 200])
@@ -193,13 +242,40 @@ def test_details_are_every_column_whole_whatever_the_width() -> None:
     text = printed(view.details(snapshot()), 80, soft_wrap=True)
     assert text.startswith("\nGPU fleet")  # it follows the live view, whose last line may lack its newline
     header = next(line for line in text.splitlines() if line.startswith("NODE "))
-    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS", "EFFECTS", "WHY", "INCIDENTS", "BOOT",
-                              "LINES-VIA", "LAST-ACTION"]
+    assert header.split() == ["NODE", "STATE", "FAULT", "AGE", "TAINTS", "PODS", "EFFECTS", "WHY", "REPAIR",
+                              "INCIDENTS", "BOOT", "LINES-VIA", "LAST-ACTION", "POD-NAMES"]
     row = line_of(text, NODES[2])[0].split("   ")
     assert [c.strip() for c in row if c.strip()] == [
-        NODES[2], "Quarantined", "sxid 24007", "75s", TAINT, "condition/GpuSXid,cordon,taint/NoSchedule", "RESTART_BM",
-        "1b2c3d4e", "1c9e4f7a", "Loki -> loki-tail -> Kafka", "cordon+taint+condition 1b2c3d4e 12s ago"]
+        NODES[2], "Quarantined", "sxid 24007", "75s", TAINT, "2", "condition/GpuSXid,cordon,taint/NoSchedule",
+        "RESTART_BM", "-", "1b2c3d4e", "1c9e4f7a", "Loki -> loki-tail -> Kafka",
+        "cordon+taint+condition 1b2c3d4e 12s ago", f"llm-train-2,{EVAL}-00002"]
+    moved = text.split(f"{view.MOVES_HEADING}: 3", 1)[1].splitlines()
+    assert moved[1].split() == ["POD", "FROM", "TO", "STATUS", "AGE", "CONTROLLER", "REPLACES"]
+    assert moved[2].split()[-1] == f"{EVAL}-hr4dm"  # the pod the ReplicaSet's new one replaces
     assert "quarantines the node and brings a warm standby into service" in text  # audit reasons, one line each
+
+
+def test_the_repair_history_shows_only_when_the_repair_loop_touched_a_node() -> None:
+    """No repair case on the fleet: the screen has no repair section. A node in the repair loop: its history as
+    ``xidflow status NODE`` prints it, below the fleet, and its place in the loop in the details."""
+    from pipeline.actuator import repaircase
+    from tests.unit.test_repaircase import opened
+
+    assert view.REPAIR_HEADING not in printed(view.live_view(snapshot()), 200)
+    ledger, _ = opened()
+    repaircase.record_diagnostics(ledger, "inc-1", "j1", "fail", "", {}, NOW - 5)
+    nodes = fleet()
+    nodes[1]["metadata"]["annotations"][LEDGER_ANNOTATION] = ledger.to_annotation()
+    snap = view.Snapshot(title="GPU fleet", nodes=nodes, standby_label=STANDBY_LABEL, order=[*NODES, STANDBY], now=NOW)
+    for width in (80, 200):
+        text = printed(view.live_view(snap), width)
+        history = text.split(view.REPAIR_HEADING, 1)[1].split(view.MOVES_HEADING, 1)[0].splitlines()
+        assert history[1].split()[:4] == ["NODE", "TIME", "STAGE", "CLASS"]
+        rows = [line.split() for line in history[2:] if line.strip()]
+        assert [r[0] for r in rows] == [NODES[1], NODES[1]] and all(r[3] == "repairing" for r in rows)
+    details = printed(view.details(snap), 80, soft_wrap=True)
+    assert "repairing (GpuFellOffBus, 1/2 failed)" in line_of(details, NODES[1])[0]
+    assert f"{view.REPAIR_HEADING} (details)" in details
 
 
 def test_result_line() -> None:
