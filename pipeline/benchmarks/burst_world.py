@@ -28,11 +28,21 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, condition_types, kmsg
+from pipeline.benchmarks.cost import NAMES
 from pipeline.benchmarks.procstat import ProcSample
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.membership import GroupView, describe_group
 from pipeline.runtime.settings import TopicNames
+
+SUBJECT_PYTHON_ENV = "XIDFLOW_BENCH_PYTHON"
+"""The Python interpreter that runs the measured ``xidflow worker`` and ``xidflow actuator`` processes (default:
+the bench's own). Another checkout's virtual environment measures that checkout's pipeline with this bench's
+scenarios, windows and keys, on the same machine in the same sitting (an older commit against this one)."""
+
+
+def subject_python() -> str:
+    return os.environ.get(SUBJECT_PYTHON_ENV) or sys.executable
 
 
 @dataclass
@@ -58,8 +68,11 @@ class Proc:
     async def start(self) -> None:
         out = self.log.open("ab")
         try:
+            # From the log's folder, not the bench's: ``-m`` puts the working directory first on the path, and
+            # the code measured is the interpreter's own checkout (``subject_python``).
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pipeline.cli", *self.args, env=self.env, stdout=out, stderr=out
+                subject_python(), "-m", "pipeline.cli", *self.args, env=self.env, stdout=out, stderr=out,
+                cwd=self.log.parent,
             )
         finally:
             out.close()
@@ -203,24 +216,6 @@ class World:
         finally:
             watch.stop()
 
-    async def wait_conditions(self, names: list[str], limit_s: float = 180) -> float | None:
-        """Until each of ``names`` carries a problem condition that is True (its flow's last write): seconds
-        waited, None if not within ``limit_s`` (the run goes on; the key says so)."""
-        from pipeline.actuator.problems import ProblemClass
-
-        own = {str(c) for c in ProblemClass}
-        lacking = set(names)
-        start = time.monotonic()
-        while lacking and time.monotonic() - start < limit_s:
-            page = await self.kube._call(self.kube.core.list_node, label_selector=self.selector)
-            for node in page.get("items") or []:
-                conditions = (node.get("status") or {}).get("conditions") or []
-                if any(c.get("type") in own and c.get("status") == "True" for c in conditions):
-                    lacking.discard(node["metadata"]["name"])
-            if lacking:
-                await asyncio.sleep(0.5)
-        return None if lacking else round(time.monotonic() - start, 2)
-
     @property
     def fleet_size(self) -> int:
         return len(self.names) + len(self.idle) + len(self.warm)
@@ -310,7 +305,8 @@ class World:
 
 
 def infra_pids(kubeconfig: str) -> dict[str, int]:
-    """The API server, etcd and Kafka of a bench run's local infrastructure (name -> pid).
+    """The control plane (API server, etcd, controller-manager, scheduler, KWOK) and the Kafka broker (``kafka``)
+    of a bench run's local infrastructure (name -> pid).
 
     Found by the run's directory in their command lines (the kubeconfig lies in it); an API server
     started elsewhere gives nothing, and the figures then lack them."""
@@ -323,7 +319,8 @@ def infra_pids(kubeconfig: str) -> dict[str, int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             if root.encode() in b" ".join(argv):
-                out.setdefault(os.path.basename(argv[0].decode(errors="replace")), int(entry))
+                name = os.path.basename(argv[0].decode(errors="replace"))
+                out.setdefault(NAMES.get(name, name), int(entry))
     return out
 
 

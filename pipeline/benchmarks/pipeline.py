@@ -95,6 +95,39 @@ class BenchContext:
     results: dict[str, Any] = field(default_factory=dict)
 
 
+HEARTBEATS_PER_S = 100
+"""Lease renewals per second the bench's own control plane is given at most (``heartbeat_lease_s``)."""
+
+
+def largest_fleet(sections: list[str], nodes: int, storm_nodes: int, fleet: int) -> int:
+    """The most nodes the named sections hold at once (a scenario's fleet with its bare client's copy). Pure."""
+    sizes = [2 * nodes + 8]
+    if "storm" in sections:
+        sizes.append(2 * storm_nodes)
+    if "scale" in sections:
+        sizes.append(fleet + 2 * nodes + 8)
+    return max(sizes)
+
+
+def heartbeat_lease_s(nodes: int, default_s: int) -> int:
+    """KWOK's node Lease duration for a bench control plane holding ``nodes`` nodes (a kubelet renews every quarter
+    of it): the kubelet's default, or longer where its renewals would pass ``HEARTBEATS_PER_S``. Pure.
+
+    A 10,000-node cluster's kubelets renew 1,000 Leases a second with the default 40 s Lease; its control plane
+    has cores for that. Here the API server, etcd and KWOK that renew them share two cores with everything the
+    bench measures, so a fleet that large would measure its own heartbeats. The renewals stay as they are
+    (each one a kubelet's write, KWOK's Lease controller, the lifecycle controller reading them), only fewer a
+    second; the lifecycle controller's grace follows the Lease (``heartbeat_grace_s``), as a kubelet's does.
+    """
+    return max(default_s, -(-4 * nodes // HEARTBEATS_PER_S))
+
+
+def heartbeat_grace_s(lease_s: int, default_lease_s: int, default_grace_s: int) -> int:
+    """The node lifecycle controller's grace for a Lease of ``lease_s``: the default's margin over the default
+    Lease (10 s). Pure."""
+    return lease_s + (default_grace_s - default_lease_s)
+
+
 Section = Callable[[BenchContext], Awaitable[dict[str, Any]]]
 SECTIONS: dict[str, Section] = {}
 

@@ -2,8 +2,10 @@
 
 Two worlds of ``pipeline.benchmarks.burst_world`` run side by side on one API server, each with a real
 worker and two real ``xidflow actuator`` replicas: a base fleet of ``nodes`` GPU nodes and a large one
-of ``fleet`` GPU nodes (created through the API as KWOK does: labels, capacity and status in one create
-call). Their bursts take turns, in pairs whose order flips (base, large | large, base | base, large ...):
+of ``fleet`` GPU nodes, every one KWOK's (``machines.create_nodes``: Ready, its Lease renewed by KWOK as a
+kubelet renews it, judged by the node lifecycle controller; the bench's control plane stretches the Lease
+for a fleet this large, ``pipeline.benchmarks.pipeline.heartbeat_lease_s``). Their bursts take turns, in
+pairs whose order flips (base, large | large, base | base, large ...):
 
 - both bursts of a pair run against the same API server holding the same objects (both fleets; etcd's
   size and the apiserver's watch cache are the same for both), the other world's processes idle;
@@ -36,7 +38,7 @@ node carries xidflow's own conditions again and the previous burst's flows are d
 - the bursts: ``*_burst_p99_ms`` the median of its bursts' p99s (each in ``*_burst_p99_ms_rounds``),
   with the stage split (``_delivery``: line to incident readable; ``_apply``: incident to taint seen)
   and ``*_burst_cpu_s``: CPU seconds per burst (median) of each process, the API server, etcd and
-  Kafka (``java``) included, and the idle world's processes (``idle-*``): what the fleet's size costs;
+  Kafka (``kafka``) included, and the idle world's processes (``idle-*``): what the fleet's size costs;
 - after the last burst, ``xidflow status`` and ``xidflow breaker status`` as subprocesses on the whole
   fleet (wall time; the breaker's ``counted`` and ``fleet_size``);
 - ``*_burst_rebalances``: the actuator group's membership warnings (aiokafka's "rebalancing",
@@ -171,14 +173,25 @@ def _per_replica(key: str, values: dict[str, float]) -> dict[str, Any]:
     return {key: max(values.values()), f"{key}_by_replica": values}
 
 
-async def _at_rest(worlds: dict[str, World]) -> dict[str, Any]:
-    """Steady-state memory and CPU of every world's actuators, sampled together for two resync periods."""
+async def _at_rest(worlds: dict[str, World], infra: dict[str, int]) -> dict[str, Any]:
+    """Steady-state memory and CPU of every world's actuators, sampled together for two resync periods; with
+    them every other process of the run (``scale_rest_cpu_pct``: the workers, the control plane and the broker,
+    each its mean over the span), the node Leases' duration and the renewals a second that make it."""
     out: dict[str, Any] = {}
     pids = {(prefix, n): pid for prefix, w in worlds.items() for n, pid in _actuator_pids(w).items()}
+    others = {f"{prefix}/{n}": p.work_pid() for prefix, w in worlds.items() for n, p in w.procs.items()
+              if n.startswith("worker") and p.proc is not None}
+    others.update(infra)
     progress = next(iter(worlds.values())).progress
     progress("at rest", 0, 1)
-    samples = await procstat.sample({f"{p}/{n}": pid for (p, n), pid in pids.items()}, 2 * RESYNC_S + 1)
+    samples = await procstat.sample({**{f"{p}/{n}": pid for (p, n), pid in pids.items()}, **others},
+                                    2 * RESYNC_S + 1)
     progress("at rest", 1, 1)
+    out["scale_rest_cpu_pct"] = {n: procstat.usage(samples[n]).cpu_mean_pct for n in sorted(others)}
+    lease_s = await _lease_seconds(next(iter(worlds.values())))
+    nodes = sum(w.fleet_size for w in worlds.values())
+    out["scale_heartbeat_lease_s"] = lease_s
+    out["scale_heartbeats_per_s"] = round(nodes / (lease_s / 4), 1) if lease_s else None
     for prefix, world in worlds.items():
         out[f"{prefix}_fleet"] = world.fleet_size
         out.update({f"{prefix}_{k}": v for k, v in world.timings.items()})
@@ -192,6 +205,16 @@ async def _at_rest(worlds: dict[str, World]) -> dict[str, Any]:
         out.update(_per_replica(f"{prefix}_actuator_cpu_resync_pct", {n: u.cpu_max_pct for n, u in usage.items()}))
         out.update(_per_replica(f"{prefix}_actuator_cpu_mean_pct", {n: u.cpu_mean_pct for n, u in usage.items()}))
     return out
+
+
+async def _lease_seconds(world: World) -> int | None:
+    """The Lease duration KWOK (the nodes' kubelet) set on a node of the world; None where it has none."""
+    try:
+        lease = orjson.loads(await world.kube.raw_get(
+            f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{world.names[0]}"))
+    except Exception:  # noqa: BLE001 - a profile figure: a cluster without KWOK's Leases lacks it
+        return None
+    return (lease.get("spec") or {}).get("leaseDurationSeconds")
 
 
 async def _raw(prefix: str, world: World) -> dict[str, Any]:
@@ -432,10 +455,10 @@ async def scale(
             await world.setup()
             await world.warm_up(producer)
             world.progress(f"{prefix}: setup", 1, 1)
-        out.update(await _at_rest(worlds))
+        infra = infra_pids(kubeconfig)
+        out.update(await _at_rest(worlds, infra))
         for prefix, world in worlds.items():
             out.update(await _raw(prefix, world))
-        infra = infra_pids(kubeconfig)
         order = burst_order(pairs)
         rounds = dict.fromkeys(worlds, 0)
 
