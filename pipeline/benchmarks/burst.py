@@ -51,7 +51,7 @@ from pipeline.benchmarks.burst_watch import (
     takeover_split,
     unsettled_windows,
 )
-from pipeline.benchmarks.burst_world import IncidentTail, World
+from pipeline.benchmarks.burst_world import IncidentTail, World, profile, stop_profile
 from pipeline.benchmarks.cost import cost_keys, idle_rates
 from pipeline.benchmarks.kafkameter import KafkaMeter
 from pipeline.kafka import clients as kafka_clients
@@ -115,6 +115,7 @@ async def run_scenario(
         kafka_before = await meter.read() if meter is not None else None
         cpu_before = cpu_seconds(world)
         started = time.monotonic()
+        spies = profile(world, prefix) if baseline else []
         if not pace_until_done:
             futures = []
             for i, node in enumerate(world.names):
@@ -154,6 +155,7 @@ async def run_scenario(
             # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
             # until after the last taint is still work.
             extra[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+            await stop_profile(spies)
             # What the flows still asked of the API server after the last taint (Events, conditions).
             api_settled = await api_snapshot(world)
             extra.update(api_keys(f"{prefix}_settled_api", api_tainted, api_settled, len(sent)))

@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -369,3 +371,30 @@ class IncidentTail:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, KafkaError):
                 await self._task
+
+
+PROFILE_ENV = "XIDFLOW_BENCH_PROFILE_DIR"
+"""When set (and ``py-spy`` is on PATH): the burst's processes are sampled by ``py-spy record`` (raw collapsed
+stacks, ``<dir>/<label>-<process>.txt``): the burst's worker and actuators over its cost window, the scale
+section's actuators from each burst's start until its last taint."""
+
+
+def profile(world: World, label: str, actuators_only: bool = False) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` on each working process of the world (``PROFILE_ENV``); nothing when not asked for."""
+    where, spy = os.environ.get(PROFILE_ENV), shutil.which("py-spy")
+    if not where or not spy:
+        return []
+    os.makedirs(where, exist_ok=True)
+    pids = {n: p.work_pid() for n, p in world.procs.items()
+            if p.proc is not None and p.alive() and (n.startswith("actuator") or not actuators_only)}
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking",
+                              "--output", os.path.join(where, f"{label}-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
+
+
+async def stop_profile(spies: list[subprocess.Popen[bytes]]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for spy in spies:
+        await asyncio.to_thread(spy.wait, 30)

@@ -57,8 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -73,7 +71,7 @@ from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, kmsg, summarize
-from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids
+from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids, profile, stop_profile
 from pipeline.benchmarks.storm import bare_client, raw_quarantine_rate
 from pipeline.kafka import clients as kafka_clients
 
@@ -91,10 +89,6 @@ runs, one pair's ratio ranged 0.61 to 4.71 within one run (a burst met someone e
 SIDE_BY_SIDE = 3
 """Rounds where both worlds burst at the same moment: whatever load the machine has then, both bursts
 meet it, so their ratio does not move with it (``scale_burst_vs_base_together_ratio``)."""
-
-PROFILE_ENV = "XIDFLOW_BENCH_PROFILE_DIR"
-"""When set (and ``py-spy`` is on PATH): each burst's actuators are sampled by ``py-spy record`` (raw
-collapsed stacks, ``<dir>/<world>-<burst>-<actuator>.txt``) from the clock's start until the last taint."""
 
 SETTLE_S = 2.0
 """Quiet seconds before every burst: the API server's own work after the last writes is not the burst's."""
@@ -275,25 +269,6 @@ async def _wait(check: Any, limit_s: float, world: World) -> bool:
     return True
 
 
-def _profile(world: World, label: str) -> list[subprocess.Popen[bytes]]:
-    """``py-spy record`` on each actuator of the world (``PROFILE_ENV``); nothing when not asked for."""
-    where, spy = os.environ.get(PROFILE_ENV), shutil.which("py-spy")
-    if not where or not spy:
-        return []
-    os.makedirs(where, exist_ok=True)
-    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking",
-                              "--output", os.path.join(where, f"{label}-{name}.txt")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in _actuator_pids(world).items()]
-
-
-async def _stop_profile(spies: list[subprocess.Popen[bytes]]) -> None:
-    for spy in spies:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-    for spy in spies:
-        await asyncio.to_thread(spy.wait, 30)
-
-
 async def _bursts(group: dict[str, World], idle: World | None, producer: Any, infra: dict[str, int],
                   label: str) -> dict[str, dict[str, Any]]:
     """One burst on the current burst nodes of each world of ``group``, all at once (their lines
@@ -313,7 +288,7 @@ async def _bursts(group: dict[str, World], idle: World | None, producer: Any, in
     cpu: dict[str, float] | None = None
     try:
         for p, w in group.items():
-            spies += _profile(w, f"{label}-{p}")
+            spies += profile(w, f"{label}-{p}", actuators_only=True)
         await asyncio.sleep(0.3)  # the watches are established before the clock starts (and py-spy attached)
         only = next(iter(group.values())) if len(group) == 1 else None
         before = _cpu(only, idle, infra) if only is not None and idle is not None else None
@@ -332,10 +307,10 @@ async def _bursts(group: dict[str, World], idle: World | None, producer: Any, in
             await _wait(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
         if only is not None and idle is not None and before is not None:
             cpu = cpu_spent(before, _cpu(only, idle, infra))
-        await _stop_profile(spies)
+        await stop_profile(spies)
         settled = {p: await _wait(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
     finally:
-        await _stop_profile([s for s in spies if s.poll() is None])
+        await stop_profile([s for s in spies if s.poll() is None])
         for p in group:
             watches[p].stop()
             await tails[p].stop()

@@ -92,7 +92,10 @@ def test_pod_complete_gains_one_opt_out_and_keeps_the_modules_selector(tmp_path:
         {"key": '.metadata.labels["pod-complete.stage.kwok.x-k8s.io"]', "operator": "NotIn", "values": ["false"]},
     ]
     assert complete["spec"]["next"] == {"statusTemplate": "phase: Succeeded"}  # what KWOK does is the module's
-    assert list(yaml.safe_load_all(kwok.config_text(stages))) == stages
+    options, *rest = list(yaml.safe_load_all(kwok.config_text(stages)))
+    assert rest == stages
+    assert options["kind"] == "KwokConfiguration"
+    assert options["options"]["nodeLeaseParallelism"] == options["options"]["nodePlayStageParallelism"] > 4
 
 
 def test_a_missing_stage_file_says_which_and_where(tmp_path: Path) -> None:
