@@ -37,6 +37,10 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   and ``burst_api`` / ``burst_raw_api`` / ``burst_raw_alike_api`` / ``burst_settled_api`` count what the API
   server did in each window (``pipeline.benchmarks.apimetrics``: requests by verb and resource, watch events,
   new connections).
+  What a remediated node costs (``pipeline.benchmarks.cost``): every process's CPU from the first line until
+  every node is settled and the lifecycle controller answered its cordon, against the bare client's until the
+  same answer (``burst_cpu_per_node_ratio``, ``burst_cpu_split``), with the broker's own counters
+  (``burst_kafka_*``, ``pipeline.benchmarks.kafkameter``) and the API server's (``burst_cost_api_*``).
   Then its floor (``pipeline.benchmarks.burst_floor``): the same N lines through one plain consumer
   process to the same bare client, ``burst_floor_p99_ms`` and ``burst_floor_vs_raw_ratio``.
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
