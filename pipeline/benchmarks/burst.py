@@ -52,7 +52,7 @@ from pipeline.benchmarks.burst_watch import (
     unsettled_windows,
 )
 from pipeline.benchmarks.burst_world import IncidentTail, World, profile, stop_profile
-from pipeline.benchmarks.cost import cost_keys, idle_rates
+from pipeline.benchmarks.cost import cost_keys, idle_rates, net_of_idle
 from pipeline.benchmarks.kafkameter import KafkaMeter
 from pipeline.kafka import clients as kafka_clients
 from pipeline.runtime import startmarks
@@ -105,6 +105,8 @@ async def run_scenario(
         template = await world.kube.get_node(world.names[0]) if baseline else None
         if baseline:
             extra[f"{prefix}_idle_cpu_s"] = await quiet_cpu(world, IDLE_S)
+            idle = idle_rates(extra[f"{prefix}_idle_cpu_s"], IDLE_S)
+            extra[f"{prefix}_api_read_cpu_s"] = await api_read_cpu(world, idle)
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         tail = IncidentTail(world)
@@ -114,7 +116,7 @@ async def run_scenario(
         api_before = await api_snapshot(world)
         kafka_before = await meter.read() if meter is not None else None
         cpu_before = cpu_seconds(world)
-        started = time.monotonic()
+        started, started_at = time.monotonic(), time.time()
         spies = profile(world, prefix) if baseline else []
         if not pace_until_done:
             futures = []
@@ -135,12 +137,14 @@ async def run_scenario(
                 await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode())
                 await asyncio.sleep(PACE_S)
             extra.update(await disruption)
+        marks = {"lines_sent": time.monotonic() - started}
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not all(n in watch.tainted for n in sent):
             world.check_alive()
             progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
+        marks["taints_seen"] = time.monotonic() - started
         extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
         api_tainted = await api_snapshot(world)
         extra.update(api_keys(f"{prefix}_api", api_before, api_tainted, len(sent)))
@@ -149,9 +153,13 @@ async def run_scenario(
             # the lifecycle controller answered its cordon. Waited for on the watch already open (a list every
             # moment would be work of its own in the window), before anything else of the bench reads Kafka.
             settled_from = time.monotonic()
+            marks["taint_window_read"] = settled_from - started
             finished = await _until(lambda: watch.done(list(sent)), 180, world)
             extra[f"{prefix}_settled_s"] = round(time.monotonic() - settled_from, 2) if finished else None
             extra[f"{prefix}_cost_window_s"] = round(time.monotonic() - started, 2)
+            extra[f"{prefix}_cost_marks_s"] = cost_marks(marks, {
+                "last_tainted": watch.tainted, "last_settled": watch.settled, "last_answered": watch.answered,
+            }, list(sent), started_at)
             # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
             # until after the last taint is still work.
             extra[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
@@ -182,7 +190,8 @@ async def run_scenario(
             if window and bare_window:
                 out.update(cost_keys(prefix, len(sent), out[f"{prefix}_settled_cpu_s"], window,
                                      out[f"{prefix}_raw_settled_cpu_s"], bare_window,
-                                     idle_rates(out[f"{prefix}_idle_cpu_s"], IDLE_S)))
+                                     idle_rates(out[f"{prefix}_idle_cpu_s"], IDLE_S),
+                                     out[f"{prefix}_api_read_cpu_s"]))
             if template is not None:
                 out[f"{prefix}_node_bytes"] = node_bytes(template)
                 out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms"), template))
@@ -303,6 +312,16 @@ async def bare_client_baseline(
     return out
 
 
+def cost_marks(marks: dict[str, float], seen: dict[str, dict[str, float]], names: list[str],
+               started_at: float) -> dict[str, float]:
+    """Where a cost window's seconds went, each from its start, in order: ``marks`` (the bench's own steps) and,
+    for each of ``seen`` (mark -> node -> wall time: the watch's records), when the last of ``names`` got there.
+    Pure."""
+    out = dict(marks)
+    out.update({k: max(v[n] for n in names) - started_at for k, v in seen.items() if all(n in v for n in names)})
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: kv[1])}
+
+
 IDLE_S = 2.0
 """Seconds of the at-rest readings (before the burst, before the bare client): each process's idle rate."""
 
@@ -344,6 +363,15 @@ async def quiet_cpu(world: World, window_s: float = 1.0) -> dict[str, float]:
     before = cpu_seconds(world)
     await asyncio.sleep(window_s)
     return {k: v for k, v in cpu_spent(before, cpu_seconds(world)).items() if k != "bench"}
+
+
+async def api_read_cpu(world: World, idle_rate: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process (the API server writing its ``/metrics``, the bench reading it) spends on one
+    ``api_snapshot`` at rest, less its idle use (``idle_rate``) meanwhile: the bench's own work inside each
+    cost window, which holds one such reading."""
+    before, started = cpu_seconds(world), time.monotonic()
+    await api_snapshot(world)
+    return net_of_idle(cpu_spent(before, cpu_seconds(world)), idle_rate, time.monotonic() - started)
 
 
 def alike(template: dict[str, Any], name: str, labels: dict[str, str], selector: str) -> dict[str, Any]:

@@ -12,7 +12,9 @@ process, is still counted.
 ``burst_cpu_per_node_ratio`` = the pipeline's CPU per node / the bare client's (goal <= 1.5): what a
 user pays per remediated node for detection, decision, audit and the Kubernetes writes, against the
 writes alone. ``_net`` figures first take off each process's CPU at rest (its idle rate, read just
-before, times the window): what the remediation itself costs, without the processes' standing cost.
+before, times the window) and the bench's own reading of the API server's counters in each window
+(``<prefix>_api_read_cpu_s``, one reading measured at rest): what the remediation itself costs, without the
+processes' standing cost or the bench's.
 """
 
 from __future__ import annotations
@@ -32,10 +34,13 @@ def per_node_ms(cpu: dict[str, float], nodes: int) -> dict[str, float]:
     return out
 
 
-def net_of_idle(cpu: dict[str, float], idle_rate: dict[str, float], window_s: float) -> dict[str, float]:
-    """``cpu`` less each process's idle CPU (``idle_rate``, CPU seconds per second) over the window; at least 0.
-    A process without an idle reading is left as it is. Pure."""
-    return {k: round(max(0.0, v - idle_rate.get(k, 0.0) * window_s), 3) for k, v in cpu.items()}
+def net_of_idle(cpu: dict[str, float], idle_rate: dict[str, float], window_s: float,
+                less: dict[str, float] | None = None) -> dict[str, float]:
+    """``cpu`` less each process's idle CPU (``idle_rate``, CPU seconds per second) over the window and its
+    share of ``less`` (the bench's own reading inside the window); at least 0. A process without an idle
+    reading is left as it is. Pure."""
+    less = less or {}
+    return {k: round(max(0.0, v - idle_rate.get(k, 0.0) * window_s - less.get(k, 0.0)), 3) for k, v in cpu.items()}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -50,12 +55,15 @@ def cost_keys(
     bare_cpu: dict[str, float],
     bare_window_s: float,
     idle_rate: dict[str, float] | None = None,
+    bench_read: dict[str, float] | None = None,
 ) -> dict[str, Any]:
     """The cost figures of one scenario from its two windows' CPU (process -> seconds). Pure.
 
     ``<prefix>_cpu_per_node_ms`` / ``_raw_cpu_per_node_ms`` (per process and total), the ratio
     ``<prefix>_cpu_per_node_ratio``, the same net of idle (``_net``), and ``<prefix>_cpu_split``: each
-    process's milliseconds per node on both sides, largest first, where the difference lies.
+    process's milliseconds per node on both sides, largest first, where the difference lies. ``bench_read``:
+    each process's CPU for the bench's one reading of the API server's counters inside each window
+    (``burst.api_read_cpu``), taken off both windows in the ``_net`` figures with the idle use.
     """
     pipe, bare = per_node_ms(pipeline_cpu, nodes), per_node_ms(bare_cpu, nodes)
     out: dict[str, Any] = {
@@ -71,8 +79,8 @@ def cost_keys(
     out[f"{prefix}_cpu_split"] = {k: {"pipeline": pipe.get(k, 0.0), "bare": bare.get(k, 0.0)}
                                   for k in names}
     if idle_rate:
-        pipe_net = per_node_ms(net_of_idle(pipeline_cpu, idle_rate, pipeline_window_s), nodes)
-        bare_net = per_node_ms(net_of_idle(bare_cpu, idle_rate, bare_window_s), nodes)
+        pipe_net = per_node_ms(net_of_idle(pipeline_cpu, idle_rate, pipeline_window_s, bench_read), nodes)
+        bare_net = per_node_ms(net_of_idle(bare_cpu, idle_rate, bare_window_s, bench_read), nodes)
         out[f"{prefix}_cpu_per_node_net_ms"] = pipe_net
         out[f"{prefix}_raw_cpu_per_node_net_ms"] = bare_net
         out[f"{prefix}_cpu_per_node_net_ratio"] = ratio(pipe_net.get("total"), bare_net.get("total"))

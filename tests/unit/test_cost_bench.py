@@ -30,6 +30,13 @@ def test_net_figures_take_each_process_idle_use_off_its_window() -> None:
     out = cost_keys("burst", 100, {"kafka": 1.0}, 4.0, {"kafka": 0.5}, 1.0, idle)
     assert out["burst_cpu_per_node_net_ratio"] == pytest.approx(0.6 / 0.4)
     assert per_node_ms({}, 0) == {}
+    # The bench's own reading of the API server's counters, one in each window, comes off both.
+    read = {"kube-apiserver": 0.2, "bench": 0.1}
+    out = cost_keys("burst", 100, {"kube-apiserver": 1.2, "bench": 0.3}, 4.0, {"kube-apiserver": 0.6, "bench": 0.2},
+                    1.0, {"kube-apiserver": 0.0}, read)
+    assert out["burst_cpu_per_node_net_ms"]["total"] == pytest.approx(12.0)
+    assert out["burst_raw_cpu_per_node_net_ms"]["total"] == pytest.approx(5.0)
+    assert out["burst_cpu_per_node_ratio"] == pytest.approx(1.5 / 0.8, abs=1e-3)  # the gross figures keep it
 
 
 def test_broker_counters_per_node_leave_sub_meters_out_of_the_total() -> None:
@@ -50,3 +57,12 @@ def test_the_bench_control_plane_keeps_lease_renewals_within_what_two_cores_carr
     lease = heartbeat_lease_s(largest_fleet(["scale"], 500, 500, 10_000), 40)
     assert (10_000 + 1_008) / (lease / 4) <= 100
     assert heartbeat_grace_s(lease, 40, 50) == lease + 10
+
+
+def test_cost_marks_say_where_the_window_went_from_the_watch_and_the_bench_steps() -> None:
+    from pipeline.benchmarks.burst import cost_marks
+    seen = {"last_tainted": {"a": 101.0, "b": 103.0}, "last_settled": {"a": 105.0, "b": 104.0},
+            "last_answered": {"a": 102.0}}  # b not answered yet: no mark
+    marks = cost_marks({"lines_sent": 0.4, "taints_seen": 3.2}, seen, ["a", "b"], 100.0)
+    assert marks == {"lines_sent": 0.4, "last_tainted": 3.0, "taints_seen": 3.2, "last_settled": 5.0}
+    assert list(marks) == sorted(marks, key=marks.__getitem__)  # in the order they came
