@@ -154,7 +154,7 @@ async def run_scenario(
             # moment would be work of its own in the window), before anything else of the bench reads Kafka.
             settled_from = time.monotonic()
             marks["taint_window_read"] = settled_from - started
-            finished = await _until(lambda: watch.done(list(sent)), 180, world)
+            finished = await until(lambda: watch.done(list(sent)), 180, world)
             extra[f"{prefix}_settled_s"] = round(time.monotonic() - settled_from, 2) if finished else None
             extra[f"{prefix}_cost_window_s"] = round(time.monotonic() - started, 2)
             extra[f"{prefix}_cost_marks_s"] = cost_marks(marks, {
@@ -286,7 +286,7 @@ async def bare_client_baseline(
         api_written = await api_snapshot(world)
         api = api_keys(f"{prefix}_{raw}_api", api_before, api_written, world.nodes)
         # Its cost window (``pipeline.benchmarks.cost``): until the lifecycle controller answered every cordon.
-        answered = await _until(lambda: watch.done(names, settled=False), 180, world)
+        answered = await until(lambda: watch.done(names, settled=False), 180, world)
         settled = {
             f"{prefix}_{raw}_settled_cpu_s": cpu_spent(cpu_before, cpu_seconds(world)),
             f"{prefix}_{raw}_cost_window_s": round(time.monotonic() - started, 2) if answered else None,
@@ -326,7 +326,7 @@ IDLE_S = 2.0
 """Seconds of the at-rest readings (before the burst, before the bare client): each process's idle rate."""
 
 
-async def _until(check: Callable[[], bool], limit_s: float, world: World) -> bool:
+async def until(check: Callable[[], bool], limit_s: float, world: World) -> bool:
     """Until ``check()`` holds (True) or ``limit_s`` passed (False); a process of the world that died stops it."""
     deadline = time.monotonic() + limit_s
     while not check():

@@ -69,7 +69,7 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
-from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split
+from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split, until
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, kmsg, summarize
 from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids, profile, stop_profile
 from pipeline.benchmarks.storm import bare_client, raw_quarantine_rate
@@ -259,16 +259,6 @@ class BurstWatch(NodeWatch):
             self.unsettled.discard((obj.get("metadata") or {}).get("name"))
 
 
-async def _wait(check: Any, limit_s: float, world: World) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not check():
-        world.check_alive()
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
-
-
 async def _bursts(group: dict[str, World], idle: World | None, producer: Any, infra: dict[str, int],
                   label: str) -> dict[str, dict[str, Any]]:
     """One burst on the current burst nodes of each world of ``group``, all at once (their lines
@@ -304,11 +294,11 @@ async def _bursts(group: dict[str, World], idle: World | None, producer: Any, in
                     futures.append(await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode()))
         await asyncio.gather(*futures)
         for p, w in group.items():
-            await _wait(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
+            await until(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
         if only is not None and idle is not None and before is not None:
             cpu = cpu_spent(before, _cpu(only, idle, infra))
         await stop_profile(spies)
-        settled = {p: await _wait(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
+        settled = {p: await until(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
     finally:
         await stop_profile([s for s in spies if s.poll() is None])
         for p in group:
@@ -351,7 +341,7 @@ async def _fresh_burst_nodes(world: World, round_no: int) -> None:
         await update_json_configmap(world.kube, world.namespace, ActuatorSettings().breaker_configmap, forget)
         await create_nodes(world.kube, new, {"xidflow.bench/burst": world.tag}, gpu=True)
         world.names = new
-        if not await _wait(lambda: not watch.lacking, 300, world):
+        if not await until(lambda: not watch.lacking, 300, world):
             raise RuntimeError(f"{len(watch.lacking)} fresh burst nodes still lack xidflow's conditions after 300 s")
     finally:
         watch.stop()
