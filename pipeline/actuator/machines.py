@@ -131,8 +131,11 @@ async def create_nodes(
     ``labels``. ``gpu``: GPU labels and capacity. ``progress(n)`` is called with the count of nodes
     created so far, every 100 nodes and at the end. ``body(name)``: the Node to create instead of
     ``node_object``'s (e.g. one made like another node); it is KWOK's if it carries KWOK's label.
-    ``ready_within_s``: how long to wait; by default 2 minutes plus 0.1 s a node (the lifecycle controller
-    lifts the taints at its client's rate, 20 writes/s by default: 10,000 nodes take about 8 minutes).
+    ``ready_within_s``: how long to wait; by default 5 minutes plus 0.25 s a node. The lifecycle controller
+    lifts the taints with a read and a patch a node, 8 nodes at a time, at its client's rate (the local control
+    plane's 100 requests/s, ``controlplane.CLIENT_QPS``: 10,000 nodes in about 3.5 minutes at best); on a
+    busy machine each round trip takes longer (500 nodes took it 40 s more than KWOK took to make them Ready,
+    at a load of 12-14 on 2 cores).
     """
     names = list(names)
     sem = asyncio.Semaphore(parallel)
@@ -162,7 +165,7 @@ async def create_nodes(
     if progress is not None:
         progress(done)
     if waited:
-        await wait_nodes_usable(kube, waited, ready_within_s or 120.0 + 0.1 * len(waited), shared)
+        await wait_nodes_usable(kube, waited, ready_within_s or 300.0 + 0.25 * len(waited), shared)
 
 
 def _kwoks(node: Mapping[str, Any]) -> bool:

@@ -31,10 +31,20 @@ def newest(a: NodeView | None, b: NodeView | None) -> NodeView | None:
 class NodeWriter:
     """The one way the actuator changes a Node: the effect and its ledger record land together or not at all.
 
-    A write starts from the Node as last seen - the watch cache (``peek``, the reconciler's) or the
-    response to our own last write - instead of reading it first: every write is conditional on the
-    resourceVersion of the view it was computed from, so a stale view costs a 409, a read and a
-    recomputation, never a clobbered Node.
+    A write starts from the Node as last seen - the newer of the watch cache (``peek``, the reconciler's) and
+    the response to our own last write - instead of reading it first: every write is conditional on the
+    resourceVersion of the view it was computed from, so a stale view costs a 409 and a recomputation,
+    never a clobbered Node.
+
+    Next to a cluster's node lifecycle controller that matters on every quarantine: it answers xidflow's
+    cordon with a write of its own (its ``node.kubernetes.io/unschedulable`` taint), between xidflow's node
+    patch and the status patch that follows it (Events and conditions wait until the taints are out). Had
+    the status patch started from our own last write, as it once did, it was refused every time (409), and
+    the node was read and the patch sent again: five calls a node instead of three. It starts from the
+    watch's view once the watch has delivered that write, and a 409 takes the watch's newer view when it has
+    one instead of a read. What the write is conditional on is unchanged (the whole Node's version): a
+    person's uncordon or another replica's ledger write in between still refuses it and the decision is
+    made again from what they wrote.
     """
 
     def __init__(self, kube: Kube, worker: str, max_flows: int) -> None:
@@ -80,7 +90,7 @@ class NodeWriter:
         nothing was written). A change with ``status`` goes through the status subresource, the
         ledger with it (one write); ``spec`` through the Node itself.
         """
-        view = first or self.known(node)
+        view = newest(first, self.known(node))
         for _ in range(100):
             if view is None:
                 view = await self.read(node)
@@ -106,10 +116,19 @@ class NodeWriter:
                         body["spec"] = change.spec
                     written = NodeView.from_object(await self.kube.patch_node(node, body))
             except Conflict:
-                view = None  # someone else wrote the node: read it again and recompute, never clobber
+                # Someone else wrote the node: recompute from what they wrote, never clobber. The watch has
+                # usually delivered it by now (a read only where it has not).
+                view = self._seen_after(view)
                 continue
             return result, self._remember(written)
         raise KubeUnavailable(f"node {node}: gave up after 100 conflicting writes")
+
+    def _seen_after(self, refused: NodeView) -> NodeView | None:
+        """The watch's view of the node when it is newer than ``refused`` (a write refused with 409), else None."""
+        seen = self.peek(refused.name) if self.peek is not None else None
+        if seen is None or not (seen.resource_version.isdigit() and refused.resource_version.isdigit()):
+            return None
+        return seen if int(seen.resource_version) > int(refused.resource_version) else None
 
     async def _write_status(self, node: str, body: dict[str, Any], status: dict[str, Any]) -> NodeView:
         """Status and ledger in one conditional status write (the status subresource keeps a Node's metadata).

@@ -36,6 +36,8 @@ class Snapshot:
     a protobuf one): compare windows with the same watchers only; ``burst.node_bytes`` gives a Node's JSON size."""
     sockets: frozenset[int] = frozenset()
     """inodes of the TCP connections to the API server's port open at the reading (``connections``)"""
+    conflicts: dict[str, float] = field(default_factory=dict)
+    """``VERB resource[/subresource]`` -> requests answered 409 Conflict so far (a precondition that failed)"""
 
 
 def _key(labels: dict[str, str]) -> str:
@@ -56,6 +58,7 @@ def parse(text: str, sockets: frozenset[int] = frozenset()) -> Snapshot:
     seconds: dict[str, float] = {}
     watch: dict[str, float] = {}
     watch_bytes: dict[str, float] = {}
+    conflicts: dict[str, float] = {}
     targets = {_REQUESTS: requests, _DURATION: seconds, _WATCH: watch, _WATCH_BYTES: watch_bytes}
     for family in text_string_to_metric_families(wanted):
         for sample in family.samples:
@@ -67,7 +70,9 @@ def parse(text: str, sockets: frozenset[int] = frozenset()) -> Snapshot:
             else:
                 k = _key(sample.labels)
             target[k] = target.get(k, 0) + sample.value
-    return Snapshot(requests, seconds, watch, watch_bytes, sockets)
+            if target is requests and sample.labels.get("code") == "409":
+                conflicts[k] = conflicts.get(k, 0) + sample.value
+    return Snapshot(requests, seconds, watch, watch_bytes, sockets, conflicts)
 
 
 def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
@@ -77,7 +82,8 @@ def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
     ``request_s``: its summed request time per kind (watches' long-running time left out);
     ``watch_events``: kind -> events sent, ``watch_event_bytes``: kind -> their mean size;
     ``new_connections``: TCP connections to it opened meanwhile
-    (still open at the second reading; a connection opened and closed between the readings is missed).
+    (still open at the second reading; a connection opened and closed between the readings is missed);
+    ``conflicts``: the requests of each kind answered 409 (a write whose precondition failed, and was resent).
     """
 
     def diff(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
@@ -95,6 +101,7 @@ def delta(before: Snapshot, after: Snapshot, nodes: int) -> dict[str, Any]:
         "watch_event_bytes": {k: round(v / events[k]) for k, v in diff(before.watch_bytes, after.watch_bytes).items()
                               if events.get(k)},
         "new_connections": len(after.sockets - before.sockets),
+        "conflicts": {k: int(v) for k, v in diff(before.conflicts, after.conflicts).items()},
     }
 
 

@@ -37,7 +37,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from pipeline.actuator.testing import create_nodes, delete_nodes
-from pipeline.benchmarks import apimetrics, procstat
+from pipeline.benchmarks import apimetrics, kafkameter, procstat
 from pipeline.benchmarks.burst_watch import (
     FATAL_LINE,
     PACE_S,
@@ -51,7 +51,9 @@ from pipeline.benchmarks.burst_watch import (
     takeover_split,
     unsettled_windows,
 )
-from pipeline.benchmarks.burst_world import IncidentTail, World
+from pipeline.benchmarks.burst_world import IncidentTail, World, profile, stop_profile
+from pipeline.benchmarks.cost import cost_keys, idle_rates, net_of_idle
+from pipeline.benchmarks.kafkameter import KafkaMeter
 from pipeline.kafka import clients as kafka_clients
 from pipeline.runtime import startmarks
 
@@ -88,9 +90,11 @@ async def run_scenario(
     extra: dict[str, Any] = {}
     watch: NodeWatch | None = None
     tail: IncidentTail | None = None
+    meter: KafkaMeter | None = None
     try:
         progress(f"{prefix}: setup", 0, 1)
         await world.setup()
+        meter = await kafka_meter(world)
         await producer.start()
         await world.warm_up(producer)
         progress(f"{prefix}: setup", 1, 1)
@@ -100,7 +104,9 @@ async def run_scenario(
         # run writes nodes shaped like it (``bare_client_baseline``).
         template = await world.kube.get_node(world.names[0]) if baseline else None
         if baseline:
-            extra[f"{prefix}_idle_cpu_s"] = await quiet_cpu(world)
+            extra[f"{prefix}_idle_cpu_s"] = await quiet_cpu(world, IDLE_S)
+            idle = idle_rates(extra[f"{prefix}_idle_cpu_s"], IDLE_S)
+            extra[f"{prefix}_api_read_cpu_s"] = await api_read_cpu(world, idle)
         watch = NodeWatch(world.kube, world.selector, await world.resource_version())
         watch.start()
         tail = IncidentTail(world)
@@ -108,7 +114,10 @@ async def run_scenario(
         await asyncio.sleep(0.3)  # the watch is established before the clock starts
         topic = world.topics.name("logs_kernel")
         api_before = await api_snapshot(world)
+        kafka_before = await meter.read() if meter is not None else None
         cpu_before = cpu_seconds(world)
+        started, started_at = time.monotonic(), time.time()
+        spies = profile(world, prefix) if baseline else []
         if not pace_until_done:
             futures = []
             for i, node in enumerate(world.names):
@@ -128,15 +137,38 @@ async def run_scenario(
                 await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode())
                 await asyncio.sleep(PACE_S)
             extra.update(await disruption)
+        marks = {"lines_sent": time.monotonic() - started}
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline and not all(n in watch.tainted for n in sent):
             world.check_alive()
             progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
             await asyncio.sleep(0.2)
         progress(prefix, sum(n in watch.tainted for n in sent), len(sent))
+        marks["taints_seen"] = time.monotonic() - started
         extra[f"{prefix}_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
         api_tainted = await api_snapshot(world)
         extra.update(api_keys(f"{prefix}_api", api_before, api_tainted, len(sent)))
+        if baseline:
+            # The cost window (``pipeline.benchmarks.cost``): on until every node's flow wrote its last write and
+            # the lifecycle controller answered its cordon. Waited for on the watch already open (a list every
+            # moment would be work of its own in the window), before anything else of the bench reads Kafka.
+            settled_from = time.monotonic()
+            marks["taint_window_read"] = settled_from - started
+            finished = await until(lambda: watch.done(list(sent)), 180, world)
+            extra[f"{prefix}_settled_s"] = round(time.monotonic() - settled_from, 2) if finished else None
+            extra[f"{prefix}_cost_window_s"] = round(time.monotonic() - started, 2)
+            extra[f"{prefix}_cost_marks_s"] = cost_marks(marks, {
+                "last_tainted": watch.tainted, "last_settled": watch.settled, "last_answered": watch.answered,
+            }, list(sent), started_at)
+            # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
+            # until after the last taint is still work.
+            extra[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
+            await stop_profile(spies)
+            # What the flows still asked of the API server after the last taint (Events, conditions).
+            api_settled = await api_snapshot(world)
+            extra.update(api_keys(f"{prefix}_settled_api", api_tainted, api_settled, len(sent)))
+            extra.update(api_keys(f"{prefix}_cost_api", api_before, api_settled, len(sent)))
+            extra.update(kafka_keys(f"{prefix}_kafka", kafka_before, await meter.read() if meter else None, len(sent)))
         latencies = [(watch.tainted[n] - t) * 1000 for n, t in sent.items() if n in watch.tainted]
         stages = stage_split(
             prefix, sent, await incident_times(world), watch.tainted, await incident_times(world, "fault_events"),
@@ -147,18 +179,19 @@ async def run_scenario(
         out = {**summarize(prefix, latencies, len(sent)), **stages, **extra}
         if baseline:
             progress(f"{prefix}: bare client", 0, 1)
-            # The actuators write Events and conditions after the taints: a baseline timed while they
-            # still do would share the API server with them and flatter the ratio.
-            out[f"{prefix}_settled_s"] = await world.wait_conditions(list(sent))
-            # The whole flows' CPU (Events and conditions too), not only the taints' window: work held back
-            # until after the last taint is still work.
-            out[f"{prefix}_settled_cpu_s"] = cpu_spent(cpu_before, cpu_seconds(world))
-            # What the flows still asked of the API server after the last taint (Events, conditions).
-            out.update(api_keys(f"{prefix}_settled_api", api_tainted, await api_snapshot(world), len(sent)))
-            # The same second's reading as before the burst: whether the world is as idle as it was then (the
+            # The actuators write Events and conditions after the taints: the baseline starts once they are
+            # settled (above), so it does not share the API server with them.
+            # The same reading as before the burst: whether the world is as idle as it was then (the
             # broker and the worker still working off the burst would share the cores with the bare client).
-            out[f"{prefix}_raw_before_cpu_s"] = await quiet_cpu(world)
-            out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms")))
+            out[f"{prefix}_raw_before_cpu_s"] = await quiet_cpu(world, IDLE_S)
+            out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms"), meter=meter))
+            window = out.get(f"{prefix}_cost_window_s")
+            bare_window = out.get(f"{prefix}_raw_cost_window_s")
+            if window and bare_window:
+                out.update(cost_keys(prefix, len(sent), out[f"{prefix}_settled_cpu_s"], window,
+                                     out[f"{prefix}_raw_settled_cpu_s"], bare_window,
+                                     idle_rates(out[f"{prefix}_idle_cpu_s"], IDLE_S),
+                                     out[f"{prefix}_api_read_cpu_s"]))
             if template is not None:
                 out[f"{prefix}_node_bytes"] = node_bytes(template)
                 out.update(await bare_client_baseline(world, prefix, out.get(f"{prefix}_p99_ms"), template))
@@ -172,6 +205,8 @@ async def run_scenario(
             watch.stop()
         if tail is not None:
             await tail.stop()
+        if meter is not None:
+            await meter.stop()
         await producer.stop()
         await world.teardown()
 
@@ -207,7 +242,8 @@ def cpu_spent(before: dict[str, tuple[int, float]], after: dict[str, tuple[int, 
 
 
 async def bare_client_baseline(
-    world: World, prefix: str, p99_ms: float | None, template: dict[str, Any] | None = None
+    world: World, prefix: str, p99_ms: float | None, template: dict[str, Any] | None = None,
+    meter: KafkaMeter | None = None,
 ) -> dict[str, Any]:
     """The API server's own time for the scenario's N taints, measured in the same run.
 
@@ -235,13 +271,30 @@ async def bare_client_baseline(
     make = None if template is None else (lambda name: alike(template, name, labels, world.selector))
     await create_nodes(world.kube, names, labels, body=make)
     kube = await bare_client(world.kubeconfig, concurrency)
+    selector = ",".join(f"{k}={v}" for k, v in labels.items())
+    page = await world.kube._call(world.kube.core.list_node, label_selector=selector, limit=1)
+    watch = NodeWatch(world.kube, selector, page["metadata"]["resourceVersion"])
+    watch.start()
+    await asyncio.sleep(0.3)  # the watch is established before the clock starts
     api_before = await api_snapshot(world)
+    kafka_before = await meter.read() if meter is not None else None
     cpu_before = cpu_seconds(world)
+    started = time.monotonic()
     try:
         rate = await raw_quarantine_rate(kube, names, TAINT_KEY, concurrency)
         cpu = cpu_spent(cpu_before, cpu_seconds(world))
-        api = api_keys(f"{prefix}_{raw}_api", api_before, await api_snapshot(world), world.nodes)
+        api_written = await api_snapshot(world)
+        api = api_keys(f"{prefix}_{raw}_api", api_before, api_written, world.nodes)
+        # Its cost window (``pipeline.benchmarks.cost``): until the lifecycle controller answered every cordon.
+        answered = await until(lambda: watch.done(names, settled=False), 180, world)
+        settled = {
+            f"{prefix}_{raw}_settled_cpu_s": cpu_spent(cpu_before, cpu_seconds(world)),
+            f"{prefix}_{raw}_cost_window_s": round(time.monotonic() - started, 2) if answered else None,
+            **api_keys(f"{prefix}_{raw}_cost_api", api_before, await api_snapshot(world), world.nodes),
+            **kafka_keys(f"{prefix}_{raw}_kafka", kafka_before, await meter.read() if meter else None, world.nodes),
+        }
     finally:
+        watch.stop()
         await kube.aclose()
         with contextlib.suppress(Exception):
             await delete_nodes(world.kube, names)
@@ -252,10 +305,57 @@ async def bare_client_baseline(
         f"{prefix}_{raw}_concurrency": concurrency,
         f"{prefix}_{raw}_cpu_s": cpu,
         **api,
+        **settled,
     }
     if p99_ms is not None:
         out[f"{prefix}_vs_{raw}_ratio"] = round(p99_ms / raw_ms, 3)
     return out
+
+
+def cost_marks(marks: dict[str, float], seen: dict[str, dict[str, float]], names: list[str],
+               started_at: float) -> dict[str, float]:
+    """Where a cost window's seconds went, each from its start, in order: ``marks`` (the bench's own steps) and,
+    for each of ``seen`` (mark -> node -> wall time: the watch's records), when the last of ``names`` got there.
+    Pure."""
+    out = dict(marks)
+    out.update({k: max(v[n] for n in names) - started_at for k, v in seen.items() if all(n in v for n in names)})
+    return {k: round(v, 2) for k, v in sorted(out.items(), key=lambda kv: kv[1])}
+
+
+IDLE_S = 2.0
+"""Seconds of the at-rest readings (before the burst, before the bare client): each process's idle rate."""
+
+
+async def until(check: Callable[[], bool], limit_s: float, world: World) -> bool:
+    """Until ``check()`` holds (True) or ``limit_s`` passed (False); a process of the world that died stops it."""
+    deadline = time.monotonic() + limit_s
+    while not check():
+        world.check_alive()
+        if time.monotonic() > deadline:
+            return False
+        await asyncio.sleep(0.1)
+    return True
+
+
+async def kafka_meter(world: World) -> KafkaMeter | None:
+    """The broker's own counters for this world's windows (``pipeline.benchmarks.kafkameter``); None where the
+    broker is not a local one of this run or cannot be read (the figures then lack the Kafka keys)."""
+    pid = world.infra.get("kafka")
+    if pid is None:
+        return None
+    meter = KafkaMeter(pid)
+    return meter if await meter.start() else None
+
+
+def kafka_keys(key: str, before: kafkameter.Snapshot | None, after: kafkameter.Snapshot | None,
+               nodes: int) -> dict[str, Any]:
+    """``<key>`` (``kafkameter.delta``), ``<key>_requests_per_node`` and ``<key>_bytes_per_node`` (socket bytes
+    in and out), or nothing when a reading is missing. Pure."""
+    if before is None or after is None:
+        return {}
+    d = kafkameter.delta(before, after, nodes)
+    return {key: d, f"{key}_requests_per_node": d["requests_per_node"],
+            f"{key}_bytes_per_node": d["net_bytes_per_node"]}
 
 
 async def quiet_cpu(world: World, window_s: float = 1.0) -> dict[str, float]:
@@ -263,6 +363,15 @@ async def quiet_cpu(world: World, window_s: float = 1.0) -> dict[str, float]:
     before = cpu_seconds(world)
     await asyncio.sleep(window_s)
     return {k: v for k, v in cpu_spent(before, cpu_seconds(world)).items() if k != "bench"}
+
+
+async def api_read_cpu(world: World, idle_rate: dict[str, float]) -> dict[str, float]:
+    """CPU seconds each process (the API server writing its ``/metrics``, the bench reading it) spends on one
+    ``api_snapshot`` at rest, less its idle use (``idle_rate``) meanwhile: the bench's own work inside each
+    cost window, which holds one such reading."""
+    before, started = cpu_seconds(world), time.monotonic()
+    await api_snapshot(world)
+    return net_of_idle(cpu_spent(before, cpu_seconds(world)), idle_rate, time.monotonic() - started)
 
 
 def alike(template: dict[str, Any], name: str, labels: dict[str, str], selector: str) -> dict[str, Any]:
@@ -307,12 +416,13 @@ async def api_snapshot(world: World) -> apimetrics.Snapshot | None:
 def api_keys(
     key: str, before: apimetrics.Snapshot | None, after: apimetrics.Snapshot | None, nodes: int
 ) -> dict[str, Any]:
-    """``<key>`` (``apimetrics.delta``: requests by kind, per node, watch events, new connections) and
-    ``<key>_requests`` (their total), or nothing when a reading is missing. Pure."""
+    """``<key>`` (``apimetrics.delta``: requests by kind, per node, watch events, new connections),
+    ``<key>_requests`` (their total) and ``<key>_requests_per_node``, or nothing when a reading is missing. Pure."""
     if before is None or after is None:
         return {}
     d = apimetrics.delta(before, after, nodes)
-    return {key: d, f"{key}_requests": d["requests_total"]}
+    return {key: d, f"{key}_requests": d["requests_total"],
+            f"{key}_requests_per_node": round(d["requests_total"] / nodes, 2) if nodes else None}
 
 
 async def floor(world: World, prefix: str, raw_ms: float | None) -> dict[str, Any]:

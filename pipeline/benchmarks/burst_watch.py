@@ -59,12 +59,27 @@ def summarize(prefix: str, latencies_ms: list[float], expected: int) -> dict[str
     return out
 
 
+UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
+"""The node lifecycle controller's answer to a cordon (TaintNodesByCondition): its own taint on the node."""
+
+
 class NodeWatch:
-    """A watch on the scenario's nodes (a thread): when each node's quarantine taint was first seen."""
+    """A watch on the scenario's nodes (a thread): when each node's quarantine taint was first seen.
+
+    Also when each node was first seen ``settled`` (an own problem condition True: its flow's last write)
+    and ``answered`` (the node lifecycle controller's ``node.kubernetes.io/unschedulable`` taint, its
+    answer to the cordon): the cost windows end once both are there for every node, so the work a
+    quarantine causes after its taint, the cluster's included, is counted in them.
+    """
 
     def __init__(self, kube: Kube, selector: str, resource_version: str) -> None:
+        from pipeline.actuator.problems import OWN_CONDITION_TYPES
+
         self.kube, self.selector, self.rv = kube, selector, resource_version
         self.tainted: dict[str, float] = {}
+        self.settled: dict[str, float] = {}
+        self.answered: dict[str, float] = {}
+        self._own = OWN_CONDITION_TYPES
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="bench-node-watch", daemon=True)
         self._resp: Any = None
@@ -106,9 +121,21 @@ class NodeWatch:
         if event.get("type") not in ("ADDED", "MODIFIED"):
             return
         name = meta.get("name")
+        if not name:
+            return
         taints = (obj.get("spec") or {}).get("taints") or []
-        if name and name not in self.tainted and any(t.get("key") == TAINT_KEY for t in taints):
+        if name not in self.tainted and any(t.get("key") == TAINT_KEY for t in taints):
             self.tainted[name] = now
+        if name not in self.answered and any(t.get("key") == UNSCHEDULABLE_TAINT for t in taints):
+            self.answered[name] = now
+        if name not in self.settled:
+            conditions = (obj.get("status") or {}).get("conditions") or []
+            if any(c.get("type") in self._own and c.get("status") == "True" for c in conditions):
+                self.settled[name] = now
+
+    def done(self, names: list[str], settled: bool = True) -> bool:
+        """Every one of ``names`` tainted, answered by the lifecycle controller and (``settled``) settled."""
+        return all(n in self.tainted and n in self.answered and (not settled or n in self.settled) for n in names)
 
     def stop(self) -> None:
         """Stop at once. Closing the response waits until the reading thread's read returns: on a quiet

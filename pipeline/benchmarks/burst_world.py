@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
+import shutil
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -28,11 +30,21 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, condition_types, kmsg
+from pipeline.benchmarks.cost import NAMES
 from pipeline.benchmarks.procstat import ProcSample
 from pipeline.kafka import clients as kafka_clients
 from pipeline.kafka.admin import ensure_topics
 from pipeline.kafka.membership import GroupView, describe_group
 from pipeline.runtime.settings import TopicNames
+
+SUBJECT_PYTHON_ENV = "XIDFLOW_BENCH_PYTHON"
+"""The Python interpreter that runs the measured ``xidflow worker`` and ``xidflow actuator`` processes (default:
+the bench's own). Another checkout's virtual environment measures that checkout's pipeline with this bench's
+scenarios, windows and keys, on the same machine in the same sitting (an older commit against this one)."""
+
+
+def subject_python() -> str:
+    return os.environ.get(SUBJECT_PYTHON_ENV) or sys.executable
 
 
 @dataclass
@@ -58,8 +70,11 @@ class Proc:
     async def start(self) -> None:
         out = self.log.open("ab")
         try:
+            # From the log's folder, not the bench's: ``-m`` puts the working directory first on the path, and
+            # the code measured is the interpreter's own checkout (``subject_python``).
             self.proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "pipeline.cli", *self.args, env=self.env, stdout=out, stderr=out
+                subject_python(), "-m", "pipeline.cli", *self.args, env=self.env, stdout=out, stderr=out,
+                cwd=self.log.parent,
             )
         finally:
             out.close()
@@ -203,24 +218,6 @@ class World:
         finally:
             watch.stop()
 
-    async def wait_conditions(self, names: list[str], limit_s: float = 180) -> float | None:
-        """Until each of ``names`` carries a problem condition that is True (its flow's last write): seconds
-        waited, None if not within ``limit_s`` (the run goes on; the key says so)."""
-        from pipeline.actuator.problems import ProblemClass
-
-        own = {str(c) for c in ProblemClass}
-        lacking = set(names)
-        start = time.monotonic()
-        while lacking and time.monotonic() - start < limit_s:
-            page = await self.kube._call(self.kube.core.list_node, label_selector=self.selector)
-            for node in page.get("items") or []:
-                conditions = (node.get("status") or {}).get("conditions") or []
-                if any(c.get("type") in own and c.get("status") == "True" for c in conditions):
-                    lacking.discard(node["metadata"]["name"])
-            if lacking:
-                await asyncio.sleep(0.5)
-        return None if lacking else round(time.monotonic() - start, 2)
-
     @property
     def fleet_size(self) -> int:
         return len(self.names) + len(self.idle) + len(self.warm)
@@ -310,7 +307,8 @@ class World:
 
 
 def infra_pids(kubeconfig: str) -> dict[str, int]:
-    """The API server, etcd and Kafka of a bench run's local infrastructure (name -> pid).
+    """The control plane (API server, etcd, controller-manager, scheduler, KWOK) and the Kafka broker (``kafka``)
+    of a bench run's local infrastructure (name -> pid).
 
     Found by the run's directory in their command lines (the kubeconfig lies in it); an API server
     started elsewhere gives nothing, and the figures then lack them."""
@@ -323,7 +321,8 @@ def infra_pids(kubeconfig: str) -> dict[str, int]:
             with open(f"/proc/{entry}/cmdline", "rb") as f:
                 argv = f.read().split(b"\0")
             if root.encode() in b" ".join(argv):
-                out.setdefault(os.path.basename(argv[0].decode(errors="replace")), int(entry))
+                name = os.path.basename(argv[0].decode(errors="replace"))
+                out.setdefault(NAMES.get(name, name), int(entry))
     return out
 
 
@@ -372,3 +371,30 @@ class IncidentTail:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, KafkaError):
                 await self._task
+
+
+PROFILE_ENV = "XIDFLOW_BENCH_PROFILE_DIR"
+"""When set (and ``py-spy`` is on PATH): the burst's processes are sampled by ``py-spy record`` (raw collapsed
+stacks, ``<dir>/<label>-<process>.txt``): the burst's worker and actuators over its cost window, the scale
+section's actuators from each burst's start until its last taint."""
+
+
+def profile(world: World, label: str, actuators_only: bool = False) -> list[subprocess.Popen[bytes]]:
+    """``py-spy record`` on each working process of the world (``PROFILE_ENV``); nothing when not asked for."""
+    where, spy = os.environ.get(PROFILE_ENV), shutil.which("py-spy")
+    if not where or not spy:
+        return []
+    os.makedirs(where, exist_ok=True)
+    pids = {n: p.work_pid() for n, p in world.procs.items()
+            if p.proc is not None and p.alive() and (n.startswith("actuator") or not actuators_only)}
+    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking",
+                              "--output", os.path.join(where, f"{label}-{name}.txt")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
+
+
+async def stop_profile(spies: list[subprocess.Popen[bytes]]) -> None:
+    for spy in spies:
+        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
+    for spy in spies:
+        await asyncio.to_thread(spy.wait, 30)

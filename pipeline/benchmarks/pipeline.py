@@ -37,6 +37,10 @@ figures to one result dict. Later issues add sections (e.g. an actuator storm) w
   and ``burst_api`` / ``burst_raw_api`` / ``burst_raw_alike_api`` / ``burst_settled_api`` count what the API
   server did in each window (``pipeline.benchmarks.apimetrics``: requests by verb and resource, watch events,
   new connections).
+  What a remediated node costs (``pipeline.benchmarks.cost``): every process's CPU from the first line until
+  every node is settled and the lifecycle controller answered its cordon, against the bare client's until the
+  same answer (``burst_cpu_per_node_ratio``, ``burst_cpu_split``), with the broker's own counters
+  (``burst_kafka_*``, ``pipeline.benchmarks.kafkameter``) and the API server's (``burst_cost_api_*``).
   Then its floor (``pipeline.benchmarks.burst_floor``): the same N lines through one plain consumer
   process to the same bare client, ``burst_floor_p99_ms`` and ``burst_floor_vs_raw_ratio``.
 - ``scale`` (not run by default): the burst of ``nodes`` nodes inside a fleet of ``fleet`` GPU nodes
@@ -93,6 +97,39 @@ class BenchContext:
     fleet: int = 10_000  # GPU nodes of the scale section's large fleet
     progress: ProgressFn = lambda task, done, total: None
     results: dict[str, Any] = field(default_factory=dict)
+
+
+HEARTBEATS_PER_S = 100
+"""Lease renewals per second the bench's own control plane is given at most (``heartbeat_lease_s``)."""
+
+
+def largest_fleet(sections: list[str], nodes: int, storm_nodes: int, fleet: int) -> int:
+    """The most nodes the named sections hold at once (a scenario's fleet with its bare client's copy). Pure."""
+    sizes = [2 * nodes + 8]
+    if "storm" in sections:
+        sizes.append(2 * storm_nodes)
+    if "scale" in sections:
+        sizes.append(fleet + 2 * nodes + 8)
+    return max(sizes)
+
+
+def heartbeat_lease_s(nodes: int, default_s: int) -> int:
+    """KWOK's node Lease duration for a bench control plane holding ``nodes`` nodes (a kubelet renews every quarter
+    of it): the kubelet's default, or longer where its renewals would pass ``HEARTBEATS_PER_S``. Pure.
+
+    A 10,000-node cluster's kubelets renew 1,000 Leases a second with the default 40 s Lease; its control plane
+    has cores for that. Here the API server, etcd and KWOK that renew them share two cores with everything the
+    bench measures, so a fleet that large would measure its own heartbeats. The renewals stay as they are
+    (each one a kubelet's write, KWOK's Lease controller, the lifecycle controller reading them), only fewer a
+    second; the lifecycle controller's grace follows the Lease (``heartbeat_grace_s``), as a kubelet's does.
+    """
+    return max(default_s, -(-4 * nodes // HEARTBEATS_PER_S))
+
+
+def heartbeat_grace_s(lease_s: int, default_lease_s: int, default_grace_s: int) -> int:
+    """The node lifecycle controller's grace for a Lease of ``lease_s``: the default's margin over the default
+    Lease (10 s). Pure."""
+    return lease_s + (default_grace_s - default_lease_s)
 
 
 Section = Callable[[BenchContext], Awaitable[dict[str, Any]]]

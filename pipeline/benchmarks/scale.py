@@ -2,8 +2,10 @@
 
 Two worlds of ``pipeline.benchmarks.burst_world`` run side by side on one API server, each with a real
 worker and two real ``xidflow actuator`` replicas: a base fleet of ``nodes`` GPU nodes and a large one
-of ``fleet`` GPU nodes (created through the API as KWOK does: labels, capacity and status in one create
-call). Their bursts take turns, in pairs whose order flips (base, large | large, base | base, large ...):
+of ``fleet`` GPU nodes, every one KWOK's (``machines.create_nodes``: Ready, its Lease renewed by KWOK as a
+kubelet renews it, judged by the node lifecycle controller; the bench's control plane stretches the Lease
+for a fleet this large, ``pipeline.benchmarks.pipeline.heartbeat_lease_s``). Their bursts take turns, in
+pairs whose order flips (base, large | large, base | base, large ...):
 
 - both bursts of a pair run against the same API server holding the same objects (both fleets; etcd's
   size and the apiserver's watch cache are the same for both), the other world's processes idle;
@@ -36,7 +38,7 @@ node carries xidflow's own conditions again and the previous burst's flows are d
 - the bursts: ``*_burst_p99_ms`` the median of its bursts' p99s (each in ``*_burst_p99_ms_rounds``),
   with the stage split (``_delivery``: line to incident readable; ``_apply``: incident to taint seen)
   and ``*_burst_cpu_s``: CPU seconds per burst (median) of each process, the API server, etcd and
-  Kafka (``java``) included, and the idle world's processes (``idle-*``): what the fleet's size costs;
+  Kafka (``kafka``) included, and the idle world's processes (``idle-*``): what the fleet's size costs;
 - after the last burst, ``xidflow status`` and ``xidflow breaker status`` as subprocesses on the whole
   fleet (wall time; the breaker's ``counted`` and ``fleet_size``);
 - ``*_burst_rebalances``: the actuator group's membership warnings (aiokafka's "rebalancing",
@@ -55,8 +57,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -69,9 +69,9 @@ from pipeline.actuator.kube import Kube
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes
 from pipeline.benchmarks import procstat
-from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split
+from pipeline.benchmarks.burst import cpu_spent, incident_times, stage_split, until
 from pipeline.benchmarks.burst_watch import FATAL_LINE, TAINT_KEY, ConditionWatch, NodeWatch, kmsg, summarize
-from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids
+from pipeline.benchmarks.burst_world import IncidentTail, World, infra_pids, profile, stop_profile
 from pipeline.benchmarks.storm import bare_client, raw_quarantine_rate
 from pipeline.kafka import clients as kafka_clients
 
@@ -89,10 +89,6 @@ runs, one pair's ratio ranged 0.61 to 4.71 within one run (a burst met someone e
 SIDE_BY_SIDE = 3
 """Rounds where both worlds burst at the same moment: whatever load the machine has then, both bursts
 meet it, so their ratio does not move with it (``scale_burst_vs_base_together_ratio``)."""
-
-PROFILE_ENV = "XIDFLOW_BENCH_PROFILE_DIR"
-"""When set (and ``py-spy`` is on PATH): each burst's actuators are sampled by ``py-spy record`` (raw
-collapsed stacks, ``<dir>/<world>-<burst>-<actuator>.txt``) from the clock's start until the last taint."""
 
 SETTLE_S = 2.0
 """Quiet seconds before every burst: the API server's own work after the last writes is not the burst's."""
@@ -171,14 +167,25 @@ def _per_replica(key: str, values: dict[str, float]) -> dict[str, Any]:
     return {key: max(values.values()), f"{key}_by_replica": values}
 
 
-async def _at_rest(worlds: dict[str, World]) -> dict[str, Any]:
-    """Steady-state memory and CPU of every world's actuators, sampled together for two resync periods."""
+async def _at_rest(worlds: dict[str, World], infra: dict[str, int]) -> dict[str, Any]:
+    """Steady-state memory and CPU of every world's actuators, sampled together for two resync periods; with
+    them every other process of the run (``scale_rest_cpu_pct``: the workers, the control plane and the broker,
+    each its mean over the span), the node Leases' duration and the renewals a second that make it."""
     out: dict[str, Any] = {}
     pids = {(prefix, n): pid for prefix, w in worlds.items() for n, pid in _actuator_pids(w).items()}
+    others = {f"{prefix}/{n}": p.work_pid() for prefix, w in worlds.items() for n, p in w.procs.items()
+              if n.startswith("worker") and p.proc is not None}
+    others.update(infra)
     progress = next(iter(worlds.values())).progress
     progress("at rest", 0, 1)
-    samples = await procstat.sample({f"{p}/{n}": pid for (p, n), pid in pids.items()}, 2 * RESYNC_S + 1)
+    samples = await procstat.sample({**{f"{p}/{n}": pid for (p, n), pid in pids.items()}, **others},
+                                    2 * RESYNC_S + 1)
     progress("at rest", 1, 1)
+    out["scale_rest_cpu_pct"] = {n: procstat.usage(samples[n]).cpu_mean_pct for n in sorted(others)}
+    lease_s = await _lease_seconds(next(iter(worlds.values())))
+    nodes = sum(w.fleet_size for w in worlds.values())
+    out["scale_heartbeat_lease_s"] = lease_s
+    out["scale_heartbeats_per_s"] = round(nodes / (lease_s / 4), 1) if lease_s else None
     for prefix, world in worlds.items():
         out[f"{prefix}_fleet"] = world.fleet_size
         out.update({f"{prefix}_{k}": v for k, v in world.timings.items()})
@@ -192,6 +199,16 @@ async def _at_rest(worlds: dict[str, World]) -> dict[str, Any]:
         out.update(_per_replica(f"{prefix}_actuator_cpu_resync_pct", {n: u.cpu_max_pct for n, u in usage.items()}))
         out.update(_per_replica(f"{prefix}_actuator_cpu_mean_pct", {n: u.cpu_mean_pct for n, u in usage.items()}))
     return out
+
+
+async def _lease_seconds(world: World) -> int | None:
+    """The Lease duration KWOK (the nodes' kubelet) set on a node of the world; None where it has none."""
+    try:
+        lease = orjson.loads(await world.kube.raw_get(
+            f"/apis/coordination.k8s.io/v1/namespaces/kube-node-lease/leases/{world.names[0]}"))
+    except Exception:  # noqa: BLE001 - a profile figure: a cluster without KWOK's Leases lacks it
+        return None
+    return (lease.get("spec") or {}).get("leaseDurationSeconds")
 
 
 async def _raw(prefix: str, world: World) -> dict[str, Any]:
@@ -242,35 +259,6 @@ class BurstWatch(NodeWatch):
             self.unsettled.discard((obj.get("metadata") or {}).get("name"))
 
 
-async def _wait(check: Any, limit_s: float, world: World) -> bool:
-    deadline = time.monotonic() + limit_s
-    while not check():
-        world.check_alive()
-        if time.monotonic() > deadline:
-            return False
-        await asyncio.sleep(0.1)
-    return True
-
-
-def _profile(world: World, label: str) -> list[subprocess.Popen[bytes]]:
-    """``py-spy record`` on each actuator of the world (``PROFILE_ENV``); nothing when not asked for."""
-    where, spy = os.environ.get(PROFILE_ENV), shutil.which("py-spy")
-    if not where or not spy:
-        return []
-    os.makedirs(where, exist_ok=True)
-    return [subprocess.Popen([spy, "record", "--pid", str(pid), "--rate", "100", "--format", "raw", "--nonblocking",
-                              "--output", os.path.join(where, f"{label}-{name}.txt")],
-                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-            for name, pid in _actuator_pids(world).items()]
-
-
-async def _stop_profile(spies: list[subprocess.Popen[bytes]]) -> None:
-    for spy in spies:
-        spy.send_signal(signal.SIGINT)  # py-spy writes its file on SIGINT
-    for spy in spies:
-        await asyncio.to_thread(spy.wait, 30)
-
-
 async def _bursts(group: dict[str, World], idle: World | None, producer: Any, infra: dict[str, int],
                   label: str) -> dict[str, dict[str, Any]]:
     """One burst on the current burst nodes of each world of ``group``, all at once (their lines
@@ -290,7 +278,7 @@ async def _bursts(group: dict[str, World], idle: World | None, producer: Any, in
     cpu: dict[str, float] | None = None
     try:
         for p, w in group.items():
-            spies += _profile(w, f"{label}-{p}")
+            spies += profile(w, f"{label}-{p}", actuators_only=True)
         await asyncio.sleep(0.3)  # the watches are established before the clock starts (and py-spy attached)
         only = next(iter(group.values())) if len(group) == 1 else None
         before = _cpu(only, idle, infra) if only is not None and idle is not None else None
@@ -306,13 +294,13 @@ async def _bursts(group: dict[str, World], idle: World | None, producer: Any, in
                     futures.append(await producer.send(topic, kmsg(FATAL_LINE, node, i), key=node.encode()))
         await asyncio.gather(*futures)
         for p, w in group.items():
-            await _wait(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
+            await until(lambda p=p: all(n in watches[p].tainted for n in sent[p]), 180, w)
         if only is not None and idle is not None and before is not None:
             cpu = cpu_spent(before, _cpu(only, idle, infra))
-        await _stop_profile(spies)
-        settled = {p: await _wait(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
+        await stop_profile(spies)
+        settled = {p: await until(lambda p=p: not watches[p].unsettled, 180, w) for p, w in group.items()}
     finally:
-        await _stop_profile([s for s in spies if s.poll() is None])
+        await stop_profile([s for s in spies if s.poll() is None])
         for p in group:
             watches[p].stop()
             await tails[p].stop()
@@ -353,7 +341,7 @@ async def _fresh_burst_nodes(world: World, round_no: int) -> None:
         await update_json_configmap(world.kube, world.namespace, ActuatorSettings().breaker_configmap, forget)
         await create_nodes(world.kube, new, {"xidflow.bench/burst": world.tag}, gpu=True)
         world.names = new
-        if not await _wait(lambda: not watch.lacking, 300, world):
+        if not await until(lambda: not watch.lacking, 300, world):
             raise RuntimeError(f"{len(watch.lacking)} fresh burst nodes still lack xidflow's conditions after 300 s")
     finally:
         watch.stop()
@@ -432,10 +420,10 @@ async def scale(
             await world.setup()
             await world.warm_up(producer)
             world.progress(f"{prefix}: setup", 1, 1)
-        out.update(await _at_rest(worlds))
+        infra = infra_pids(kubeconfig)
+        out.update(await _at_rest(worlds, infra))
         for prefix, world in worlds.items():
             out.update(await _raw(prefix, world))
-        infra = infra_pids(kubeconfig)
         order = burst_order(pairs)
         rounds = dict.fromkeys(worlds, 0)
 

@@ -16,7 +16,7 @@ import uuid
 from typing import Any
 
 from pipeline.actuator.app import Actuator, actuator_topics
-from pipeline.actuator.kube import Kube
+from pipeline.actuator.kube import Conflict, Kube
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.testing import create_nodes, delete_nodes, make_incident, publish
@@ -29,18 +29,25 @@ async def raw_quarantine(kube: Kube, name: str, taint_key: str) -> None:
     """What a bare client does to quarantine one node: the read and the conditional write the actuator does.
 
     The write is the actuator's (``Engine._update_node``): one JSON merge patch with the node's
-    resourceVersion, cordon, taint and a ledger-sized annotation.
+    resourceVersion, cordon, taint and a ledger-sized annotation. Refused (409: another writer of the node came
+    between, on a cluster the controllers and the kubelet write nodes too), it reads and writes again, as any
+    client that must not clobber a node's taints does.
     """
-    node = await kube.get_node(name)
-    taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
-    body = {
-        "metadata": {
-            "resourceVersion": node["metadata"]["resourceVersion"],
-            "annotations": {"xidflow.bench/ledger": LEDGER},
-        },
-        "spec": {"unschedulable": True, "taints": taints},
-    }
-    await kube.patch_node(name, body)
+    while True:
+        node = await kube.get_node(name)
+        taints = [*(node.get("spec") or {}).get("taints", []), {"key": taint_key, "effect": "NoSchedule"}]
+        body = {
+            "metadata": {
+                "resourceVersion": node["metadata"]["resourceVersion"],
+                "annotations": {"xidflow.bench/ledger": LEDGER},
+            },
+            "spec": {"unschedulable": True, "taints": taints},
+        }
+        try:
+            await kube.patch_node(name, body)
+            return
+        except Conflict:
+            continue
 
 
 LEDGER = "x" * 400

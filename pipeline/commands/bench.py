@@ -91,8 +91,14 @@ def bench(
         console.print("starting local infrastructure for this run (endpoints in the environment are used as given)")
         if bootstrap:
             os.environ["KAFKA_BOOTSTRAP_SERVERS"] = bootstrap
+        from pipeline.benchmarks.pipeline import heartbeat_grace_s, heartbeat_lease_s, largest_fleet
+        from pipeline.localinfra.controlplane import NODE_LEASE_S, NODE_MONITOR_GRACE_S
+
         infra = LocalInfra(Path(tmp.name), log=lambda m: console.print(f"[dim]local:[/] {m}"))
-        endpoints = infra.up(detach=False)
+        lease = heartbeat_lease_s(largest_fleet(names, nodes, storm_nodes, fleet), NODE_LEASE_S)
+        grace = heartbeat_grace_s(lease, NODE_LEASE_S, NODE_MONITOR_GRACE_S)
+        console.print(f"node Leases of {lease} s (renewed every {lease / 4:g} s), lifecycle grace {grace} s")
+        endpoints = infra.up(detach=False, node_lease_s=lease, node_monitor_grace_s=grace)
         bootstrap, kubeconfig = endpoints.kafka_bootstrap, endpoints.kubeconfig
     try:
         with Progress(
@@ -117,6 +123,8 @@ def bench(
                 fleet=fleet,
                 progress=report,
             )
+            if infra is not None:
+                ctx.results.update(heartbeat_lease_s=lease, node_monitor_grace_s=grace)
             results = asyncio.run(run_bench(ctx, names))
     finally:
         if infra is not None:
@@ -163,6 +171,14 @@ def bench(
         ("burst: worker p99 (line -> incident, goal < 250 ms)", "burst_worker_p99_ms", "{:,.0f} ms"),
         ("burst: bare client, the same taints", "burst_raw_ms", "{:,.0f} ms"),
         ("burst p99 / bare client (goal <= 1.15)", "burst_vs_raw_ratio", "{:.2f}"),
+        ("burst: CPU per quarantined node, every process, to settled", "burst_cpu_ms_per_node", "{:,.2f} ms"),
+        ("burst: bare client's CPU per node, every process", "burst_raw_cpu_ms_per_node", "{:,.2f} ms"),
+        ("burst: CPU per node / bare client's (goal <= 1.5)", "burst_cpu_per_node_ratio", "{:.2f}"),
+        ("burst: the same, each process's idle use taken off", "burst_cpu_per_node_net_ratio", "{:.2f}"),
+        ("burst: Kafka requests per node (broker's count)", "burst_kafka_requests_per_node", "{:,.1f}"),
+        ("burst: Kafka socket bytes per node, in + out", "burst_kafka_bytes_per_node", "{:,.0f} B"),
+        ("burst: API server requests per node, to settled", "burst_cost_api_requests_per_node", "{:,.1f}"),
+        ("burst: bare client's API server requests per node", "burst_raw_cost_api_requests_per_node", "{:,.1f}"),
         ("burst floor: bare Kafka consumer -> bare client, p99", "burst_floor_p99_ms", "{:,.0f} ms"),
         ("burst floor p99 / bare client (the least any Kafka pipeline does)", "burst_floor_vs_raw_ratio", "{:.2f}"),
         ("failover, actuator child SIGKILLed: p99 (goal < 5000 ms)", "failover_actuator_p99_ms", "{:,.0f} ms"),
@@ -194,6 +210,8 @@ def bench(
         ("scale: actuator RSS at rest", "scale_actuator_rss_mb", "{:,.0f} MB"),
         ("scale: base fleet actuator RSS at rest", "scale_base_actuator_rss_mb", "{:,.0f} MB"),
         ("scale: actuator CPU at rest (median second)", "scale_actuator_cpu_rest_pct", "{:.1f} %"),
+        ("scale: node Lease duration (KWOK renews every quarter)", "scale_heartbeat_lease_s", "{} s"),
+        ("scale: Lease renewals per second at rest", "scale_heartbeats_per_s", "{:,.0f}"),
         ("scale: actuator CPU, busiest second (resync)", "scale_actuator_cpu_resync_pct", "{:.1f} %"),
         ("scale: xidflow status on the fleet", "scale_status_s", "{:.2f} s"),
         ("scale: xidflow status on the base fleet", "scale_base_status_s", "{:.2f} s"),
@@ -215,6 +233,13 @@ def bench(
     for label, key, fmt in rows:
         if results.get(key) is not None:
             table.add_row(label, fmt.format(results[key]))
+    for proc, pct in (results.get("scale_rest_cpu_pct") or {}).items():
+        table.add_row(f"scale: CPU at rest, {proc} (mean)", f"{pct:.1f} %")
+    for key, split in results.items():
+        if key.endswith("_cpu_split") and isinstance(split, dict):
+            for proc, both in split.items():
+                table.add_row(f"{key.removesuffix('_cpu_split')} CPU per node: {proc} (pipeline / bare)",
+                              f"{both['pipeline']:,.2f} / {both['bare']:,.2f} ms")
     parse = results.get("parse")
     if isinstance(parse, dict) and "parse_lines_per_s" in parse:
         table.add_row("pure parse (one core)", f"{parse['parse_lines_per_s']:,.0f} lines/s")

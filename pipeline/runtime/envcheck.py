@@ -32,6 +32,8 @@ DIRECT_NAMES = frozenset({
     "XIDFLOW_GPU_PCI",  # set by the actuator in reset Jobs
     "XIDFLOW_TEST_WORKER_LOGLEVEL",  # the test suite
     "XIDFLOW_START_TIMELINE",  # pipeline.runtime.startmarks (set by xidflow bench)
+    "XIDFLOW_BENCH_PYTHON",  # pipeline.benchmarks.burst_world (the interpreter of the measured processes)
+    "XIDFLOW_BENCH_PROFILE_DIR",  # pipeline.benchmarks.scale (py-spy profiles of the actuators)
 })
 
 

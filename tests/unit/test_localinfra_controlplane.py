@@ -14,6 +14,7 @@ from pipeline.actuator.machines import KWOK_LABELS, hostname, node_object, node_
 from pipeline.actuator.nodeview import NodeView
 from pipeline.localinfra import controlplane, install, kwok
 from pipeline.localinfra.controlplane import (
+    CLIENT_QPS,
     CLIENTS,
     DRA_FEATURE_GATES,
     DRA_FLAGS,
@@ -91,7 +92,10 @@ def test_pod_complete_gains_one_opt_out_and_keeps_the_modules_selector(tmp_path:
         {"key": '.metadata.labels["pod-complete.stage.kwok.x-k8s.io"]', "operator": "NotIn", "values": ["false"]},
     ]
     assert complete["spec"]["next"] == {"statusTemplate": "phase: Succeeded"}  # what KWOK does is the module's
-    assert list(yaml.safe_load_all(kwok.config_text(stages))) == stages
+    options, *rest = list(yaml.safe_load_all(kwok.config_text(stages)))
+    assert rest == stages
+    assert options["kind"] == "KwokConfiguration"
+    assert options["options"]["nodeLeaseParallelism"] == options["options"]["nodePlayStageParallelism"] > 4
 
 
 def test_a_missing_stage_file_says_which_and_where(tmp_path: Path) -> None:
@@ -178,3 +182,14 @@ def test_a_long_node_name_registers_a_hostname_a_label_can_hold() -> None:
     label = node_object(long, {})["metadata"]["labels"]["kubernetes.io/hostname"]
     assert len(long) > 63 and label == hostname(long) and len(label) <= 63 and long.startswith(label)
     assert not label.endswith(("-", ".")) and hostname("gpu-1") == "gpu-1"
+
+
+def test_controllers_and_scheduler_use_a_large_clusters_client_rate() -> None:
+    """The node lifecycle controller answers every new node and every cordon at its client's rate: the rate
+    Kubernetes' own 5,000-node scalability jobs give the controller-manager and the scheduler, not 20/s."""
+    kcm = flags(controller_manager_command(Path("k"), kubeconfig=Path("c"), pki=Path("p"), port=1,
+                                           node_monitor_grace_s=50))
+    sched = flags(scheduler_command(Path("s"), kubeconfig=Path("c"), port=2))
+    for f in (kcm, sched):
+        assert f["kube-api-qps"] == f["kube-api-burst"] == str(CLIENT_QPS)
+    assert CLIENT_QPS >= 100

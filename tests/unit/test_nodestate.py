@@ -28,3 +28,20 @@ def test_known_prefers_the_later_of_the_watch_and_our_own_write() -> None:
     cache["n"] = view("n", "9")  # the watch moved past it (another writer)
     assert writer.known("n").resource_version == "9"
     assert writer.known("other") is None
+
+
+def test_after_a_conflict_the_watchs_newer_view_is_taken_else_a_read() -> None:
+    """A 409 says another writer came between; the watch usually has delivered that write by then."""
+    writer = NodeWriter(kube=Any, worker="w", max_flows=10)  # type: ignore[arg-type]
+    cache = {"n": view("n", "7")}
+    writer.peek = cache.get
+    refused = view("n", "7")
+    assert writer._seen_after(refused) is None  # the watch has nothing newer: read
+    cache["n"] = view("n", "8")  # the lifecycle controller's taint, delivered
+    assert writer._seen_after(refused).resource_version == "8"
+    cache["n"] = view("n", "6")
+    assert writer._seen_after(refused) is None  # older than what was refused
+    cache["n"] = view("n", "x")
+    assert writer._seen_after(view("n", "y")) is None  # versions that cannot be ordered: read
+    writer.peek = None
+    assert writer._seen_after(refused) is None
