@@ -2,6 +2,12 @@
 
 Which pods stay is decided by small filters, each one reason to leave a pod alone; a drain holds one
 of the cluster-wide drain slots while it runs.
+
+A drain ends when no pod it must move is left on the node. A pod already terminating (evicted, or
+deleted by Kubernetes' own taint eviction) is waited for while the node's kubelet answers; on a node the
+node lifecycle controller judged unreachable (``NodeView.unreachable``: Ready ``Unknown``) nothing confirms
+its end until the machine is back, so it is reported as ``stranded`` and not waited for: the eviction was
+accepted (PDBs honoured), the pod's controller has been told, and what remains is the kubelet's part.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import Any
 from pipeline.actuator.actions.base import ActionDef, ActionSpecLike, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.checkpoint_wait import before_drain
 from pipeline.actuator.kube import Kube, NotFound, TooManyRequests
+from pipeline.actuator.nodeview import NodeView
 from schemas.records import Outcome
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
@@ -42,6 +49,10 @@ def finished_pods(pod: Pod) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
+def terminating(pod: Pod) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
 def default_filters(excluded_namespaces: Iterable[str] = ()) -> list[PodFilter]:
     return [daemonset_pods, mirror_pods, in_namespaces(excluded_namespaces)]
 
@@ -62,12 +73,18 @@ def drain_candidates(
     return evict, alone
 
 
+def _namespace(pod: Pod) -> str:
+    return str((pod.get("metadata") or {}).get("namespace"))
+
+
 @dataclass
 class DrainResult:
     evicted: list[str] = field(default_factory=list)
     forced: list[str] = field(default_factory=list)
     blocked: list[str] = field(default_factory=list)
     left_alone: list[str] = field(default_factory=list)
+    stranded: list[str] = field(default_factory=list)
+    """Pods terminating on an unreachable node: evicted or deleted, their end unconfirmable until it is back."""
     ok: bool = True
     reason: str = ""
 
@@ -81,12 +98,16 @@ async def drain(kube: Kube, node: str, spec: ActionSpecLike, max_backoff: float 
     backoff = 0.25
     while True:
         pods, result.left_alone = drain_candidates(await kube.list_pods_on_node(node), set(), filters)
+        elapsed = time.monotonic() - start
+        force = spec.force_after is not None and elapsed >= spec.force_after
+        waiting = [p for p in pods if terminating(p) and not (force and _namespace(p) in spec.force_namespaces)]
+        if waiting and NodeView.from_object(await kube.get_node(node)).unreachable:
+            result.stranded = [f"{_namespace(p)}/{p['metadata']['name']}" for p in waiting]
+            pods = [p for p in pods if p not in waiting]
         if not pods:
             result.ok = True
             result.blocked = []
             return result
-        elapsed = time.monotonic() - start
-        force = spec.force_after is not None and elapsed >= spec.force_after
         blocked: list[str] = []
 
         async def one(pod: Pod, force: bool = force, blocked: list[str] = blocked) -> None:
@@ -131,10 +152,15 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
     finally:
         await ctx.drains.release(node)
     details |= {"evicted": res.evicted, "forced": res.forced, "left_alone": res.left_alone}
+    if res.stranded:
+        details["stranded"] = res.stranded
     prefix = f"{waited}; " if waited else ""
     if not res.ok:
         return StepResult(Outcome.FAILED, prefix + res.reason, details | {"blocked": res.blocked})
-    return StepResult(Outcome.APPLIED, f"{prefix}{len(res.evicted)} evicted, {len(res.forced)} forced", details)
+    stranded = (f"; {len(res.stranded)} left terminating on the unreachable node (no kubelet to end them)"
+                if res.stranded else "")
+    return StepResult(Outcome.APPLIED, f"{prefix}{len(res.evicted)} evicted, {len(res.forced)} forced{stranded}",
+                      details)
 
 
 ACTION = ActionDef(
