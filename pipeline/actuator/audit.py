@@ -55,6 +55,8 @@ AUDIT_DETAILS: dict[str, str] = {
     "left_alone": "drain: the pods the drain's filters leave on the node (excluded namespaces and the kinds a drain "
     "never evicts).",
     "blocked": "drain, failed: the pods still there at the timeout (PodDisruptionBudgets refused them).",
+    "stranded": "drain: pods left terminating on a node whose kubelet is silent (Ready `Unknown`): their eviction or "
+    "deletion was accepted, but nothing can end them until the machine is back (not waited for).",
     "checkpoint": "drain with `checkpointGrace`: the checkpoint wait: `result`, `grace_s`, `requested_at`, "
     "`deadline`, `waited_s`, `asked`, `answered`, `unanswered`, `forbidden`.",
     "result": "In `checkpoint`: answered, grace-expired, no-gpu-pods or gpu-lost.",
@@ -71,6 +73,9 @@ AUDIT_DETAILS: dict[str, str] = {
     "boot_id_after": "reboot: the new bootID it came back with.",
     "job": "reboot (Job hook), resetGpu: the hook Job's name.",
     "created": "reboot (Job hook), resetGpu: whether this application created the Job (false: it existed).",
+    "job_not_started": "reboot (Job hook): why no Job was created (the node was unreachable all along: a Job's pod "
+    "cannot run there, and would reboot the machine again when it comes back).",
+    "job_end": "resetGpu: how the Job controller ended the Job (`Complete`, or `Failed: <reason>: <message>`).",
     "taint": "reboot (Job hook), resetGpu: xidflow's taint before the Job (the admission policy admits a hook Job only "
     "on a node carrying it): `node carries <key>`, or that the step tainted the node itself.",
     "status": "reboot (webhook hook): the HTTP status the webhook answered.",
