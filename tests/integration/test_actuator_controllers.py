@@ -21,7 +21,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +28,12 @@ import pytest
 import yaml
 from kubernetes import client
 
-from pipeline.actuator.app import Actuator, actuator_topics
+from pipeline.actuator.app import Actuator
 from pipeline.actuator.effects import DEFAULT_REBOOT_JOB, DEFAULT_RESET_JOB
 from pipeline.actuator.machines import reboot
 from pipeline.actuator.policy import PolicySet, load_yaml_text
 from pipeline.actuator.testing import make_incident, publish, wait_until
 from pipeline.actuator.workload import GPU_FAULT_CONDITION
-from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL, POD_FAIL_LABEL
 from pipeline.runtime.settings import KafkaSettings
 from schemas.records import Action, NodeRecovered, Outcome, RemediationRecord
@@ -65,12 +63,8 @@ TERMINAL = (Outcome.APPLIED, Outcome.FAILED, Outcome.ALREADY_APPLIED)
 
 
 @pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
-    await ensure_ns(world.kube, world.namespace)
-    yield world
-    await world.close()
+def env(consuming_env: Env) -> Env:
+    return consuming_env
 
 
 # -- an actuator replica that consumes its topics (the path a record takes on a cluster) -----------------------

@@ -13,20 +13,17 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from pipeline.actuator.actions.reboot import NOT_STARTED
-from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.machines import UNREADY_TAINTS, reboot, resume_heartbeats, stop_heartbeats, wait_nodes_usable
 from pipeline.actuator.ownership import Ledger
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.testing import make_incident, wait_until
-from pipeline.kafka.admin import ensure_topics
 from schemas.records import NodeRecovered, Outcome
 from tests.conftest import NODE_MONITOR_GRACE_S
 from tests.integration.test_actuator_controllers import (
@@ -50,12 +47,8 @@ SHORT_TOLERATION = [{"key": UNREACHABLE, "operator": "Exists", "effect": "NoExec
 
 
 @pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
-    await ensure_ns(world.kube, world.namespace)
-    yield world
-    await world.close()
+def env(consuming_env: Env) -> Env:
+    return consuming_env
 
 
 async def silent(kube: Kube, node: str) -> float:
