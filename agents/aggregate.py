@@ -33,7 +33,7 @@ from pipeline.aggregate.aggregator import Aggregator
 from pipeline.aggregate.state import NodeState
 from pipeline.aggregate.stream_batches import ChannelBatches
 from pipeline.aggregate.tickindex import TickIndex
-from pipeline.kafka import upstream
+from pipeline.kafka import cloudevents, upstream
 from pipeline.kafka.fetch_watchdog import GuardedConsumer
 from pipeline.kafka.record_batches import RecordBatches
 from pipeline.runtime import metrics
@@ -60,6 +60,7 @@ def register(xapp: XidflowApp) -> None:
     due = TickIndex(xapp.aggregation.quiet_period_s)
     table.on_restored = due.restored  # states recovered from the changelog: decoded once by the timer
     events_name = xapp.fault_events.get_topic_name()
+    ce_source = cloudevents.CloudEventsSettings().source  # the ce_* headers of incidents and recoveries
 
     def assigned(tps: set[Any]) -> None:
         # A node's partition is its fault-event partition (ticks and changelog share the numbers).
@@ -90,7 +91,9 @@ def register(xapp: XidflowApp) -> None:
                     events = [event for event in events if id(event.message) in admitted]
                 messages = [event.message for event in events]
                 try:
-                    changelog = await _apply_batch(xapp, aggregator, table, ticks_name, events, changelog, due)
+                    changelog = await _apply_batch(
+                        xapp, aggregator, table, ticks_name, events, changelog, due, ce_source
+                    )
                     if guarded:
                         # Acknowledged once the changelog has the states; the next batch need not wait.
                         consumer.finishing(messages, changelog)
@@ -126,12 +129,14 @@ async def _apply_batch(
     events: list[Any],
     previous: asyncio.Future[Any] | None = None,
     due: TickIndex | None = None,
+    ce_source: str = "/xidflow",
 ) -> asyncio.Future[Any]:
     """Apply one batch: incidents sent and acknowledged by the broker, then the node states written.
 
     Returns the changelog's acknowledgement of the states. ``previous`` (the last batch's) is waited
     for before the states are sent: at most one batch's states are on their way at a time. ``due``
-    is told each state written (when a tick falls due for its node).
+    is told each state written (when a tick falls due for its node). Incidents and recoveries carry the
+    CloudEvents Kafka binding's headers (``pipeline.kafka.cloudevents``, ``ce_source`` their prefix).
     """
     by_node: dict[bytes, list[Any]] = {}
     deliveries = []
@@ -183,8 +188,10 @@ async def _apply_batch(
             for record, data in encoded:
                 # Gathered per partition into record batches (``RecordBatches``): one producer call per
                 # batch, not per record; all acknowledged together below.
-                topic = signals_topic if isinstance(record, FabricSignal) else incidents_topic
-                await outgoing.add(topic, key, data)
+                if isinstance(record, FabricSignal):
+                    await outgoing.add(signals_topic, key, data)
+                else:
+                    await outgoing.add(incidents_topic, key, data, cloudevents.headers(record, ce_source))
                 _observe(record, now)
         partition = node_events[-1].message.partition
         new_states.append((key, state.to_bytes(), partition))

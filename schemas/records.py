@@ -287,13 +287,22 @@ class NodeIncident(CompiledJsonRecord):
 
 
 class NodeRecovered(CompiledJsonRecord):
+    """An incident is over: a reboot whose checks passed, a quiet period, a person's reset, or a later code that
+    cancels it (NVIDIA's catalog: Xid 162, power smoothing re-engaged, cancels Xid 163)."""
+
     type: Literal["recovered"] = "recovered"
     incident_id: str
     node: str
-    reason: Literal["reboot", "quiet", "manual"]
+    reason: Literal["reboot", "quiet", "manual", "cancelled"]
     boot_id: str | None = None
     recovered_at: UtcDateTime = Field(default_factory=utcnow)
     detail: str = ""
+    cancelled_by: str | None = Field(
+        default=None, description="cancelled: the signature of the event that cancels the incident (xid:162:...)"
+    )
+    evidence_ids: list[str] = Field(
+        default_factory=list, description="cancelled: the fault event ids that cancel it (the evidence)"
+    )
 
 
 class FabricSignal(CompiledJsonRecord):

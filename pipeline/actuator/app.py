@@ -1,4 +1,5 @@
-"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, Engine, ActuatorConsumer, Reconciler."""
+"""Wiring: settings -> Kube, Auditor, PolicyStore, Breaker, DrainSlots, RepairBudgets, Engine, ActuatorConsumer,
+Reconciler, AnswerWatch."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pipeline.actuator import signing
 from pipeline.actuator.audit import Auditor, NotifierLike, default_worker_id, make_record
 from pipeline.actuator.breaker import Breaker, DrainSlots
 from pipeline.actuator.breaker_rules import Admission
+from pipeline.actuator.budgets import RepairBudgets
 from pipeline.actuator.consumer import ActuatorConsumer
 from pipeline.actuator.effects import now_rfc3339, object_name
 from pipeline.actuator.engine import Engine
@@ -20,6 +22,7 @@ from pipeline.actuator.kube import AlreadyExists, Forbidden, Kube, NotFound
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.policystore import PolicyStore
 from pipeline.actuator.reconciler import Reconciler
+from pipeline.actuator.repairrequest import AnswerWatch
 from pipeline.actuator.settings import ActuatorSettings
 from pipeline.actuator.sharedparts import SharedParts
 from pipeline.kafka import clients as kafka_clients
@@ -120,11 +123,16 @@ class Actuator:
             s.fleet_cache_seconds,
             on_trip=self._on_trip,
             block=s.breaker_reserve_block,
+            max_nodes=s.breaker_max_nodes,
         )
         self.drains = DrainSlots(
             self.kube, s.namespace, s.drains_configmap, s.max_concurrent_drains, s.claim_timeout_seconds
         )
-        self.engine = Engine(self.kube, self.auditor, s, self.policies, self.breaker, self.drains)
+        self.budgets = RepairBudgets(
+            self.kube, s.namespace, s.repair_budgets_configmap, s.claim_timeout_seconds,
+            lambda: self.policies.current.repair_budgets, s.gpu_node_selector,
+        )
+        self.engine = Engine(self.kube, self.auditor, s, self.policies, self.breaker, self.drains, self.budgets)
         self.engine.on_request_done = self._release_plan
         self.shared_parts = SharedParts(self.kube, self.engine.writer, self.auditor, s, self.policies)
         self.consumer = ActuatorConsumer(
@@ -144,6 +152,10 @@ class Actuator:
         self.consumer.on_assigned = self.reconciler.assign
         self.engine.writer.peek = lambda name: self.reconciler.nodes.get(name)  # writes start from the watch cache
         self.breaker.cache = self.reconciler.fleet_snapshot  # the breaker counts the fleet from the watch too
+        self.budgets.sizes = self.reconciler.group_size  # a budget's share of a group, counted from the watch
+        # The external repair systems' answers (RepairRequest status), watched: the node is looked at at once.
+        self.answers = AnswerWatch(self.kube, self.reconciler.look_at)
+        self.engine.cases.answers = self.answers.answer
         self._given_policies = policies is not None
         # Metrics refreshed on timers: the group's lag, and fleet gauges from the reconciler's node cache.
         self.lag = LagMonitor({s.group_id: list(self.consumer.topics)}, self.kafka.bootstrap_servers)
@@ -220,6 +232,7 @@ class Actuator:
             if every := self.settings.api_keep_warm_seconds:
                 self._keep_warm = asyncio.create_task(self.kube.keep_warm(every), name="kube-keep-warm")
             self.reconciler.start()
+            self.answers.start()
             await self.consumer.start()
             mark("consumer")
             self.lag.start()
@@ -240,6 +253,7 @@ class Actuator:
             await self.gauges.stop()
             await self.lag.stop()
             # The reconciler first: the long steps it drives hand their leases over before we leave the group.
+            await self.answers.stop()
             await self.reconciler.stop()
             await self.consumer.stop()
         await self.breaker.close()  # hands its reserved headroom back instead of letting it lapse

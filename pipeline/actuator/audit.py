@@ -30,6 +30,8 @@ from aiokafka import AIOKafkaProducer
 from pipeline.actuator.fleetmetrics import remediation_action
 from pipeline.actuator.workload import DETAILS_KEY as WORKLOAD_KEY
 from pipeline.kafka import clients as kafka_clients
+from pipeline.kafka.cloudevents import CloudEventsSettings
+from pipeline.kafka.cloudevents import headers as ce_headers
 from pipeline.runtime import metrics
 from schemas.records import NodeIncident, Outcome, RemediationRecord, WorkloadSummary, stable_id, utcnow
 
@@ -48,7 +50,7 @@ AUDIT_DETAILS: dict[str, str] = {
     "holder": "A long step held by another live replica (outcome `skipped`): that replica's id.",
     "lease_until": "With `holder`: when its lease lapses unless renewed (epoch seconds).",
     "retaken_from": "A long step whose holder vanished: the replica whose lease was retaken.",
-    "event": "event: the Event's name (deterministic: a redelivery finds it).",
+    "event": "event, hardwareInspection: the Event's name (deterministic: a redelivery finds it).",
     # drain and its checkpoint wait
     "evicted": "drain: the pods evicted (namespace/name).",
     "forced": "drain: the pods deleted after `forceAfter` (only in `forceNamespaces`).",
@@ -59,7 +61,8 @@ AUDIT_DETAILS: dict[str, str] = {
     "deletion was accepted, but nothing can end them until the machine is back (not waited for).",
     "checkpoint": "drain with `checkpointGrace`: the checkpoint wait: `result`, `grace_s`, `requested_at`, "
     "`deadline`, `waited_s`, `asked`, `answered`, `unanswered`, `forbidden`.",
-    "result": "In `checkpoint`: answered, grace-expired, no-gpu-pods or gpu-lost.",
+    "result": "In `checkpoint`: answered, grace-expired, no-gpu-pods or gpu-lost. diagnose: the result object of the "
+    "Job's termination message (docs/repair.md, `xidflow.dev/diagnostics-result/v1`).",
     "grace_s": "In `checkpoint`: the policy's checkpointGrace, in seconds.",
     "requested_at": "In `checkpoint`: when the pods were asked (RFC 3339).",
     "deadline": "In `checkpoint`: when each pod is evicted whatever it answered (RFC 3339).",
@@ -71,21 +74,40 @@ AUDIT_DETAILS: dict[str, str] = {
     "hook": "reboot: how the reboot was asked for (`job`, `annotation`, `webhook`).",
     "boot_id_before": "reboot: the node's bootID before the reboot.",
     "boot_id_after": "reboot: the new bootID it came back with.",
-    "job": "reboot (Job hook), resetGpu: the hook Job's name.",
-    "created": "reboot (Job hook), resetGpu: whether this application created the Job (false: it existed).",
+    "job": "reboot (Job hook), resetGpu, diagnose: the hook Job's name.",
+    "created": "reboot (Job hook), resetGpu, diagnose: whether this application created the Job (false: it existed); "
+    "hardwareInspection: whether it created the RepairRequest.",
     "job_not_started": "reboot (Job hook): why no Job was created (the node was unreachable all along: a Job's pod "
     "cannot run there, and would reboot the machine again when it comes back).",
     "job_end": "resetGpu: how the Job controller ended the Job (`Complete`, or `Failed: <reason>: <message>`).",
-    "taint": "reboot (Job hook), resetGpu: xidflow's taint before the Job (the admission policy admits a hook Job only "
-    "on a node carrying it): `node carries <key>`, or that the step tainted the node itself.",
+    "taint": "reboot (Job hook), resetGpu, diagnose: xidflow's taint before the Job (the admission policy admits a "
+    "hook Job only on a node carrying it): `node carries <key>`, or that the step tainted the node itself.",
     "status": "reboot (webhook hook): the HTTP status the webhook answered.",
+    # diagnose, hardwareInspection and the repair loop (docs/repair.md)
+    "verdict": "taintDevice: `device`, `device+node` (over maxTaintedDevices: the node is cordoned too) or `node`; "
+    "diagnose: `pass`, `fail` or `timeout`.",
+    "repair_request": "hardwareInspection, hand-back: the RepairRequest's name.",
+    "reason": "hardwareInspection: why xidflow stopped repairing (the RepairRequest's `spec.reason`).",
+    "webhook_status": "hardwareInspection with handoff.webhookUrl: the HTTP status the webhook answered the "
+    "CloudEvent.",
+    "fault_class": "return-to-service: the repair case's fault class (GpuFellOffBus, GpuEcc, ...).",
+    "undone": "return-to-service: per flow of the case, what its undo removed.",
+    "answer": "hand-back: the RepairRequest's phase (`Repaired` or `Replaced`).",
+    "by": "hand-back: who answered (the RepairRequest's `status.updatedBy`).",
+    "flow": "hand-back: the gate flow it opened (`<case>-<n>`).",
+    "repair_budget": "drain, reboot, resetGpu, diagnose under a RescuePolicy's repairBudgets: the groups "
+    "(`<label>=<value>`) whose slot the step held.",
+    "budget_waited_s": "With `repair_budget`: seconds the step waited for a slot (a group was full).",
+    "recovered": "undo: the NodeRecovered reason (`reboot`, `quiet`, `manual`, `cancelled`).",
+    "detail": "undo: the NodeRecovered's detail (a cancelling code names itself and the line).",
+    "evidence_ids": "undo of a cancelled incident: the fault event ids of the code that cancels it.",
+    "cancelled_by": "undo of a cancelled incident: the signature of the event that cancels it (xid:162:...).",
     "uncordon": "reboot with uncordonAfter: what the uncordon after the reboot did.",
     # taintDevice
     "scope": "taintDevice: what the fault affects (`gpu` or `node`).",
     "pci": "taintDevice: the faulty GPU's PCI address.",
     "gpu_instance": "taintDevice: the MIG GPU instance the fault names (`GPU-I:<n>` in the Xid), when it names one: "
     "that instance's MIG device is tainted where the DRA driver publishes it, else the whole GPU.",
-    "verdict": "taintDevice: `device`, `device+node` (over maxTaintedDevices: the node is cordoned too) or `node`.",
     "rules": "taintDevice: the DeviceTaintRules created (names).",
     "devices": "taintDevice: the DRA devices tainted (driver, pool, device).",
     "node_quarantine": "taintDevice: what the node quarantine did, where the node was quarantined.",
@@ -178,6 +200,8 @@ class Auditor:
         self.bootstrap_servers = bootstrap_servers
         self.hold = hold
         """Awaited before queued records are sent (``None``: sent at the next loop turn)."""
+        self.ce_source = CloudEventsSettings().source
+        """Prefix of the ``ce_source`` header every record carries (the CloudEvents Kafka binding)."""
         self._producer: AIOKafkaProducer | None = None
         self._queued: list[tuple[RemediationRecord, bool, asyncio.Future[None]]] = []
         self._flusher: asyncio.Task[None] | None = None
@@ -263,7 +287,8 @@ class Auditor:
             try:
                 # pydantic's own JSON writer: the same bytes as ``Record.to_bytes`` for these records, without
                 # the dict of Python objects that ``to_bytes`` builds for orjson first.
-                ack = await producer.send(self.topic, record.model_dump_json().encode(), key=record.node.encode())
+                ack = await producer.send(self.topic, record.model_dump_json().encode(), key=record.node.encode(),
+                                          headers=ce_headers(record, self.ce_source))
             except Exception as exc:  # noqa: BLE001 - handed to whoever waits for this record
                 if not done.done():
                     done.set_exception(exc)

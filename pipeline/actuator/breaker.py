@@ -45,7 +45,7 @@ Fleet = tuple[int, frozenset[str], Collection[str]]
 
 
 class Breaker:
-    """The circuit breaker on the share of GPU nodes quarantined within a window."""
+    """The circuit breaker on the share (and, with ``max_nodes``, the count) of GPU nodes quarantined in a window."""
 
     def __init__(
         self,
@@ -60,9 +60,12 @@ class Breaker:
         block: int = 0,
         sync_seconds: float = 0.25,
         reservation_ttl: float = 20.0,
+        max_nodes: int = 0,
     ) -> None:
         self.kube, self.namespace, self.name = kube, namespace, name
         self.fleet_selector, self.max_share, self.window = fleet_selector, max_share, window
+        self.max_nodes = max_nodes
+        """Absolute bound next to the share (``breaker_max_nodes``); 0: none."""
         self.fleet_cache_seconds = fleet_cache_seconds
         self.on_trip = on_trip
         self._fleet: tuple[float, Fleet] | None = None
@@ -222,6 +225,7 @@ class Breaker:
                     self.reservation_ttl,
                     quarantined,
                     members,
+                    self.max_nodes,
                 ),
                 seen=self._seen,
             )
@@ -294,6 +298,7 @@ class Breaker:
             "counted": len(admitted | quarantined),
             "fleet_size": fleet,
             "max_share": self.max_share,
+            "max_nodes": self.max_nodes,
             "window_seconds": self.window,
             "reset_by": state.get("reset_by"),
             "reset_at": state.get("reset_at"),

@@ -67,8 +67,10 @@ def decide_admissions(
     quarantined_now: frozenset[str] = frozenset(),
     held: int = 0,
     members: Collection[str] | None = None,
+    max_nodes: int = 0,
 ) -> dict[str, Admission]:
-    """Admit nodes into quarantine while the share quarantined stays <= max_share.
+    """Admit nodes into quarantine while the share quarantined stays <= max_share (and, with ``max_nodes``, their
+    count <= max_nodes: the absolute bound next to the share; 0 for none).
 
     The share counts every GPU node quarantined now (``quarantined_now``, read from the cluster) and
     every node admitted within the window (quarantines the cluster read may not show yet). A node
@@ -90,22 +92,25 @@ def decide_admissions(
     # One set, grown as nodes are admitted: a fresh union per node made a burst of b nodes on a fleet
     # with q quarantined cost b x q (seconds for a large burst on a large fleet).
     counted = in_fleet(admitted, members) | quarantined_now
+    cap = breaker_cap(fleet_size, max_share, max_nodes)
     for node in nodes:
         if state.get("tripped"):
             out[node] = Admission(False, f"breaker open: {state.get('reason', '')}")
         elif node in counted:
             out[node] = Admission(True)
-        elif (len(counted) + 1) / fleet > max_share:
+        elif len(counted) + 1 > cap:
+            over_share = (len(counted) + 1) / fleet > max_share
+            limit = f"limit {max_share:.0%}" if over_share else f"limit {max_nodes} nodes"
             state["tripped"] = True
             state["tripped_at"] = now
             state["reason"] = (
                 f"quarantining {node} would put {len(counted) + 1} of {fleet} GPU nodes "
                 f"({(len(counted) + 1) / fleet:.0%}) in quarantine ({len(quarantined_now)} quarantined now, "
-                f"{len(in_fleet(admitted, members))} admitted within {window:g}s); limit {max_share:.0%}"
+                f"{len(in_fleet(admitted, members))} admitted within {window:g}s); {limit}"
             )
             state["tripped_by"] = node
             out[node] = Admission(False, f"breaker tripped: {state['reason']}", tripped_now=True)
-        elif (len(counted) + 1 + held) / fleet > max_share:
+        elif len(counted) + 1 + held > cap:
             out[node] = Admission(False, f"{held} slots of the breaker's headroom held by other replicas", waiting=True)
         else:
             admitted[node] = now
@@ -114,11 +119,12 @@ def decide_admissions(
     return out
 
 
-def breaker_cap(fleet_size: int, max_share: float) -> int:
-    """The most GPU nodes the breaker lets count at once: the largest k with k / fleet <= max_share. Pure.
+def breaker_cap(fleet_size: int, max_share: float, max_nodes: int = 0) -> int:
+    """The most GPU nodes the breaker lets count at once: the largest k with k / fleet <= max_share, and at most
+    ``max_nodes`` when it is set (not 0). Pure.
 
-    The same float comparison as ``decide_admissions`` (a product rounded down would differ from it by one
-    node for shares such as 0.29).
+    The float comparison of the share (a product rounded down would differ from it by one node for shares
+    such as 0.29).
     """
     fleet = max(fleet_size, 1)
     k = int(max_share * fleet)
@@ -126,7 +132,7 @@ def breaker_cap(fleet_size: int, max_share: float) -> int:
         k += 1
     while k > 0 and k / fleet > max_share:
         k -= 1
-    return k
+    return min(k, max_nodes) if max_nodes > 0 else k
 
 
 def live_reservations(state: Mapping[str, Any], now: float, ttl: float) -> dict[str, dict[str, float]]:
@@ -168,6 +174,7 @@ def settle(
     ttl: float,
     quarantined_now: frozenset[str] = frozenset(),
     members: Collection[str] | None = None,
+    max_nodes: int = 0,
 ) -> Settlement:
     """One replica's read-modify-write of the breaker: its admissions from its block, a batch, its new block. Pure.
 
@@ -190,14 +197,14 @@ def settle(
     state["admitted"] = admitted
     held = sum(int(r["n"]) for r in reserved.values())
     decisions = decide_admissions(state, nodes, fleet_size, max_share, window, now, quarantined_now, held + keep,
-                                  members)
+                                  members, max_nodes)
     tripped = bool(state.get("tripped"))
     counted = len(in_fleet(state["admitted"], members) | quarantined_now)
-    free = breaker_cap(fleet_size, max_share) - counted - held - keep
+    free = breaker_cap(fleet_size, max_share, max_nodes) - counted - held - keep
     others_wait = any(h != holder and now - float(at) <= ttl for h, at in (state.get(WAITING_KEY) or {}).items())
     # An even share of what is not counted yet among the holders (at least two: an actuator runs with a
     # standby replica), so that two replicas splitting a burst both admit their half from their blocks.
-    share = (breaker_cap(fleet_size, max_share) - counted) // max(2, len(reserved) + 1)
+    share = (breaker_cap(fleet_size, max_share, max_nodes) - counted) // max(2, len(reserved) + 1)
     granted = 0 if tripped or others_wait else max(0, min(want - keep, free, share - keep))
     if keep + granted > 0:
         reserved[holder] = {"n": keep + granted, "at": now}
@@ -224,3 +231,30 @@ def take_drain_slot(state: dict[str, Any], node: str, worker: str, limit: int, s
         return False
     slots[node] = {"by": worker, "at": now}
     return True
+
+
+def take_group_slots(
+    state: dict[str, Any], node: str, worker: str, caps: Mapping[str, int], stale_after: float, now: float
+) -> str | None:
+    """Take a repair slot in each of the node's groups, all or none (pure); None when taken, else a full group.
+
+    ``state["groups"]``: ``"<label>=<value>"`` -> node -> ``{"by", "at"}``. A slot nobody renewed for
+    ``stale_after`` seconds is free (its replica died); a node holding a slot already keeps it (a resumed step).
+    """
+    groups: dict[str, dict[str, Any]] = state.setdefault("groups", {})
+    for key in list(groups):
+        groups[key] = {n: s for n, s in groups[key].items() if now - float(s.get("at", 0)) <= stale_after}
+        if not groups[key]:
+            del groups[key]
+    for key, cap in sorted(caps.items()):
+        holders = groups.get(key, {})
+        if node not in holders and len(holders) >= cap:
+            return key
+    for key in caps:
+        groups.setdefault(key, {})[node] = {"by": worker, "at": now}
+    return None
+
+
+def group_holders(state: Mapping[str, Any], key: str) -> list[str]:
+    """Nodes holding a slot of the group ``key`` (pure)."""
+    return sorted((state.get("groups") or {}).get(key) or {})

@@ -23,10 +23,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from pipeline.actuator import effects
+from pipeline.actuator import effects, repaircase
 from pipeline.actuator.actions import Kind, StepContext, StepResult, StopReason
 from pipeline.actuator.actions import condition as condition_action
 from pipeline.actuator.breaker import Breaker, DrainSlots
+from pipeline.actuator.budgets import RepairBudgets
 from pipeline.actuator.effects import NodeChange
 from pipeline.actuator.kube import Kube, KubeUnavailable, unreachable
 from pipeline.actuator.nodestate import NodeWriter
@@ -62,6 +63,8 @@ class FlowContext:
     _stored: dict[str, Any] | None = field(default=None, repr=False)
     last_group: bool = False
     """The group running now is the flow's last: a clean end is recorded in the same ledger write."""
+    budgeted: bool = False
+    """The long step running now holds repair-budget slots (renewed with its lease)."""
 
     @property
     def incident(self) -> NodeIncident | None:
@@ -133,9 +136,11 @@ class LiveEffector:
         policies: PolicyStore,
         breaker: Breaker,
         drains: DrainSlots,
+        budgets: RepairBudgets | None = None,
     ) -> None:
         self.kube, self.writer, self.settings = kube, writer, settings
         self.policies, self.breaker, self.drains = policies, breaker, drains
+        self.budgets = budgets
         self.worker = writer.worker
 
     # -- shared ledger bookkeeping ------------------------------------------------------------------------
@@ -147,6 +152,10 @@ class LiveEffector:
         kept = ctx.stored
         if kept is not None:
             ledger.open_flow(flow, kept, now, ctx.revision, replace=ctx.reopen)
+            plan = ctx.plan
+            if plan.case is not None:  # the repair case this incident opens or continues (idempotent)
+                repaircase.apply_decision(ledger, plan.case, flow, kept["rec"], now, plan.rule, plan.case_policy,
+                                          list(plan.case_again))
 
     @staticmethod
     def _end_with(ctx: FlowContext, ledger: Ledger, results: dict[str, StepResult], now: float) -> None:
@@ -285,6 +294,11 @@ class LiveEffector:
                     ledger.own(effect, flow)
                 for name, value in result.values.items():
                     ledger.set_flow_value(flow, name, value, now)
+                step = next((s for s in ctx.plan.steps if s.key == key), None)
+                if step is not None and step.action.repairs:
+                    repaircase.note_repair(ledger, flow, step.name, result.outcome.value, now)
+                if result.ledger_update is not None:
+                    result.ledger_update(ledger, now)
             self._end_with(ctx, ledger, results, now)
             return NodeChange(status={"conditions": conditions} if conditions else {}), results
 
@@ -397,6 +411,8 @@ class LiveEffector:
                 verdict, _ = await self.writer.update(node, mutate, f"renew {step.key} {flow}")
                 if step.action.uses_drain_slot:
                     await self.drains.renew(node, self.worker)
+                if step.action.uses_repair_budget and self.budgets is not None and ctx.budgeted:
+                    await self.budgets.renew(node, self.worker)
             except Exception as exc:  # noqa: BLE001 - keep trying: the lease outlives a few failed renewals
                 if not unreachable(exc):  # an outage is logged once, as such (reachability.API_SERVER)
                     log.warning("renewing the lease of %s %s on %s failed: %s", step.key, flow, node, exc)
@@ -415,7 +431,7 @@ class LiveEffector:
         retaken = {"retaken_from": previous} if previous else {}
         lost = asyncio.Event()
         sctx = self.step_context(ctx)
-        runner = asyncio.ensure_future(self._run(step, sctx))
+        runner = asyncio.ensure_future(self._budgeted(ctx, step, sctx))
         renewer = asyncio.ensure_future(self._renew(ctx, step, lost))
         watchers = [asyncio.ensure_future(lost.wait()), asyncio.ensure_future(ctx.cancelled.wait())]
         try:
@@ -446,10 +462,27 @@ class LiveEffector:
                 runner.cancel()
             await asyncio.gather(renewer, *watchers, return_exceptions=True)
         result.details = {**retaken, **result.details}
-        if result.outcome == Outcome.APPLIED:
+        if result.outcome == Outcome.APPLIED or result.ledger_update is not None:
+            # Done, or a verdict that is the step's end either way (a failed diagnostics): recorded with what follows.
             await self._mark_done(ctx, {step.key: result})
         elif result.stop != StopReason.LEASE_LOST:
             await self._release(ctx, step, result)
+        return result
+
+    async def _budgeted(self, ctx: FlowContext, step: Step, sctx: StepContext) -> StepResult:
+        """The step's runner inside a slot of each repair budget its node's groups have (none: just the runner)."""
+        if not step.action.uses_repair_budget or self.budgets is None:
+            return await self._run(step, sctx)
+        waited = await self.budgets.acquire(ctx.plan.node, self.worker, ctx.view.labels)
+        ctx.budgeted = bool(waited)
+        try:
+            result = await self._run(step, sctx)
+        finally:
+            if ctx.budgeted:
+                ctx.budgeted = False
+                await asyncio.shield(self.budgets.release(ctx.plan.node, self.worker))
+        if waited:
+            result.details = {**waited, **result.details}
         return result
 
     @staticmethod

@@ -20,6 +20,7 @@ from typing import Any
 
 import yaml
 
+from pipeline.actuator.diagnostics import DIAGNOSTICS_COMMAND
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
@@ -159,7 +160,7 @@ async def create_node_event(
     return await create_event_once(kube, EVENT_NAMESPACE, name, involved, reason, message, event_type)
 
 
-# -- reboot and GPU reset hooks ------------------------------------------------------------------------------
+# -- reboot, GPU reset and diagnostics hooks ---------------------------------------------------------------
 # The documented hooks: each image pinned by digest (the tag is only for people), each command fixed. The
 # admission policies of deploy/rbac/hook-jobs-admission.yaml (and the chart's, from actuator.hookJobs.allowed)
 # admit a Job of the actuator only with one of these (image, command) pairs; tests/unit/test_rbac_agreement.py
@@ -171,7 +172,10 @@ RESET_IMAGE = (
     "nvidia/cuda:12.4.1-base-ubuntu22.04@sha256:0f6bfcbf267e65123bcc2287e2153dedfc0f24772fb5ce84afe16ac4b2fada95"
 )
 RESET_COMMAND = ("nvidia-smi", "--gpu-reset")
-DOCUMENTED_HOOKS = ((REBOOT_IMAGE, REBOOT_COMMAND), (RESET_IMAGE, RESET_COMMAND))
+DIAGNOSTICS_IMAGE = REBOOT_IMAGE  # a shell and nsenter: DCGM is the node's own (docs/repair.md)
+DOCUMENTED_HOOKS = (
+    (REBOOT_IMAGE, REBOOT_COMMAND), (RESET_IMAGE, RESET_COMMAND), (DIAGNOSTICS_IMAGE, DIAGNOSTICS_COMMAND)
+)
 """(image, command) of every hook Job xidflow ships: what the admission policy admits by default."""
 
 
@@ -197,6 +201,8 @@ spec:
 
 DEFAULT_REBOOT_JOB = _hook_job("reboot", REBOOT_IMAGE, REBOOT_COMMAND)
 DEFAULT_RESET_JOB = _hook_job("gpu-reset", RESET_IMAGE, RESET_COMMAND)
+DEFAULT_DIAGNOSTICS_JOB = _hook_job("diagnostics", DIAGNOSTICS_IMAGE, DIAGNOSTICS_COMMAND)
+"""The diagnostics gate's built-in Job: DCGM level 2 (XIDFLOW_ACTUATOR_DIAGNOSTICS_JOB_TEMPLATE replaces it)."""
 
 
 def render_job(template: Mapping[str, Any] | str, name: str, namespace: str, node: str, labels: dict[str, str]) -> dict:

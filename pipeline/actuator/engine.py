@@ -6,6 +6,10 @@ node's partition drives it to the end - from the record, or without it (``resume
 reconciler) when the replica that started it died. What each action does lives in
 ``pipeline.actuator.actions``; how a group of steps touches the cluster (or, in dry-run, does not)
 lives in ``pipeline.actuator.effector``.
+
+One module (about 440 lines): a record's start, a node's resume, a recovery and the plan's run share the
+per-node lock and the audit, and a repair case's next flow is driven in the same pass as the flow that opened
+it (``_resume_locked``); split, the lock would have to travel between modules.
 """
 
 from __future__ import annotations
@@ -19,9 +23,11 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from pipeline.actuator import repaircase
 from pipeline.actuator.actions import Kind, StepResult, StopReason
 from pipeline.actuator.audit import Auditor, default_worker_id, make_record
 from pipeline.actuator.breaker import Breaker, DrainSlots
+from pipeline.actuator.budgets import RepairBudgets
 from pipeline.actuator.effector import DryRunEffector, Effector, FlowContext, LiveEffector
 from pipeline.actuator.effects import NodeChange
 from pipeline.actuator.kube import Forbidden, Invalid, Kube, KubeUnavailable, NotFound, unreachable
@@ -30,6 +36,7 @@ from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import CORDON, Ledger, request_flow_key
 from pipeline.actuator.plan import group_steps, plan_from_ledger, plan_incident, plan_recovery, plan_request
 from pipeline.actuator.policystore import PolicyStore
+from pipeline.actuator.repairloop import RepairLoop
 from pipeline.actuator.settings import ActuatorSettings
 from schemas.records import NodeIncident, NodeRecovered, Outcome, RescueActionRequest
 
@@ -56,6 +63,23 @@ class FlowStatus:
     """When a held flow should be looked at again (the holder's lease end)."""
 
 
+_MAX_PASSES = 20
+"""Rounds of ``_resume_locked`` over a node's flows and cases (each a flow's end or a case's move) before it
+leaves the rest to the next event or resync."""
+
+
+def _evidence(recovered: NodeRecovered) -> dict[str, Any]:
+    """What a recovery says about why (a code that cancels the incident names itself and its evidence)."""
+    out: dict[str, Any] = {"recovered": recovered.reason}
+    if recovered.detail:
+        out["detail"] = recovered.detail
+    if recovered.evidence_ids:
+        out["evidence_ids"] = list(recovered.evidence_ids)
+    if recovered.cancelled_by:
+        out["cancelled_by"] = recovered.cancelled_by
+    return out
+
+
 def _flow_of(record: ActuatorRecord) -> str:
     if isinstance(record, RescueActionRequest):
         return request_flow_key(record.request_id)
@@ -71,12 +95,13 @@ class Engine:
         policies: PolicyStore,
         breaker: Breaker,
         drains: DrainSlots,
+        budgets: RepairBudgets | None = None,
     ) -> None:
         self.auditor, self.settings = auditor, settings
         self.policies, self.breaker, self.drains = policies, breaker, drains
         self.worker = settings.worker_id or default_worker_id()
         self.writer = NodeWriter(kube, self.worker, settings.ledger_max_flows)
-        live = LiveEffector(kube, self.writer, settings, policies, breaker, drains)
+        live = LiveEffector(kube, self.writer, settings, policies, breaker, drains, budgets)
         # Dry-run is a different effector, not a branch in every step: it records and mutates nothing.
         self.effector: Effector = DryRunEffector() if settings.dry_run else live
         # Called with a request id once its plan is done or abandoned, so the decision API's
@@ -85,6 +110,8 @@ class Engine:
         self._live = live
         self._locks: dict[str, asyncio.Lock] = {}
         self._running: dict[str, FlowContext] = {}
+        self.cases = RepairLoop(self.writer, self.effector, self._audit_now)
+        """Repair cases the engine moves on by itself (return to service, a hand-off's answer)."""
 
     @property
     def kube(self) -> Kube:
@@ -151,6 +178,8 @@ class Engine:
             return
         ledger = view.ledger
         revision = record.revision if isinstance(record, NodeIncident) else 0
+        if isinstance(record, NodeIncident):
+            flow = repaircase.flow_of(ledger, flow, revision)  # a revision a repair case runs as a flow of its own
         known = flow in ledger.flows
         newer = known and revision > ledger.revision(flow)  # an escalation of a recorded incident
         if on_durable is not None and known and not newer:
@@ -168,15 +197,27 @@ class Engine:
         status = await self.run_plan(ctx)
         if status.end != FlowEnd.HELD:
             await self._request_done(record)
+        if not self.settings.dry_run and ctx.view.ledger.repairs:
+            # What the flow's end opened in its repair case (the repair again, a hand-off, a return) goes on now.
+            await self._resume_locked(record.node)
 
     async def resume(self, node: str) -> float | None:
         """Drive every open flow of the node from its ledger; when to look again if one is held elsewhere."""
         async with self._lock(node):
-            view = await self.writer.current(node)
-            if view is None:
-                return None
-            view = await self._reconcile_manual_uncordon(view)
-            retry: float | None = None
+            return await self._resume_locked(node)
+
+    async def _resume_locked(self, node: str) -> float | None:
+        """``resume`` under the node's lock: the open flows, and the repair cases that wait on xidflow, until
+        nothing moves (a flow's end may open the next one of its case)."""
+        view = self.writer.known(node) or await self.writer.read(node)
+        if view is None:
+            return None
+        view = await self._reconcile_manual_uncordon(view)
+        retry: float | None = None
+        for _ in range(_MAX_PASSES):
+            moved = False
+            if not self.settings.dry_run and repaircase.needs_driving(view.ledger):
+                view, moved = await self.cases.drive(view)
             now = time.time()
             for flow in view.ledger.open_flows():
                 until = self._held_elsewhere(view.ledger, flow, now)
@@ -193,8 +234,12 @@ class Engine:
                 if status.retry_at is not None:
                     retry = status.retry_at if retry is None else min(retry, status.retry_at)
                 elif status.end == FlowEnd.FINISHED:
+                    moved = True
                     await self._request_done(record)
-            return retry
+            if not moved:
+                break
+            view = self.writer.known(node) or view
+        return retry
 
     def _held_elsewhere(self, ledger: Ledger, flow: str, now: float) -> float | None:
         """End of a live lease another replica holds on one of the flow's steps."""
@@ -225,13 +270,48 @@ class Engine:
         if view is None:
             await self._audit_now(recovered.node, flow, "undo", Outcome.SKIPPED, "node not found")
             return
+        evidence = _evidence(recovered)
+        held = repaircase.holds(view.ledger, flow)
+        if held and recovered.reason != "manual":
+            # Only the diagnostics gate returns a node under repair (a person's reset still does: below).
+            await self._audit_now(view.name, flow, "undo", Outcome.SKIPPED, f"{recovered.reason}: {held}",
+                                  details=evidence)
+            return
         undo = plan_recovery(recovered, view)
         if not undo.disown:
             outcome = Outcome.ALREADY_APPLIED if view.ledger.flow_value(flow, "recovered") else Outcome.SKIPPED
             await self._audit_now(view.name, flow, "undo", outcome, "nothing owned by this incident")
             return
         result = await self.effector.undo(view, flow, recovered.reason, undo)
-        await self._audit_now(view.name, flow, "undo", result.outcome, result.reason, details=result.details)
+        await self._audit_now(view.name, flow, "undo", result.outcome, result.reason,
+                              details={**evidence, **result.details})
+        if recovered.reason == "manual" and not self.settings.dry_run:
+            await self._close_case(view.name, flow, recovered.detail or "reset by a person")
+
+    async def _close_case(self, node: str, flow: str, why: str) -> None:
+        """A person took the node over: the flow's repair case is over (its history stays in the ledger)."""
+
+        def mutate(v: NodeView, ledger: Ledger) -> tuple[NodeChange | None, None]:
+            found = repaircase.case_of_flow(ledger, flow)
+            if found is None or found[1].get("stage") == repaircase.CLOSED:
+                return None, None
+            repaircase.close(ledger, found[0], time.time(), why)
+            return NodeChange(), None
+
+        await self.writer.update(node, mutate, f"close repair case of {flow}")
+
+    async def _record_join(self, ctx: FlowContext) -> None:
+        """A fault of a repair case in progress (or handed off): recorded in the case, nothing else happens."""
+        plan, record = ctx.plan, ctx.record
+        assert plan.case is not None and record is not None
+        rec = record.model_dump(mode="json")
+
+        def mutate(v: NodeView, ledger: Ledger) -> tuple[NodeChange | None, None]:
+            changed = repaircase.apply_decision(ledger, plan.case, None, rec, time.time())  # type: ignore[arg-type]
+            return (NodeChange() if changed else None), None
+
+        _, written = await self.writer.update(plan.node, mutate, f"repair case {plan.case.case_id} += {plan.flow_key}")
+        ctx.wrote(written)
 
     async def _reconcile_manual_uncordon(self, view: NodeView) -> NodeView:
         """Persist the cancellation of flows whose cordon a person removed, and stop them if running here."""
@@ -264,6 +344,8 @@ class Engine:
         self._running[plan.node] = ctx
         try:
             if plan.skip_reason:
+                if plan.case is not None and not self.settings.dry_run:
+                    await self._record_join(ctx)
                 return FlowStatus(FlowEnd.NOT_STARTED)
             return await self._run_steps(ctx)
         finally:

@@ -49,6 +49,10 @@ AUDIT_ACTIONS: dict[str, str] = {
     "api-idempotency-conflict": "The decision API refused an Idempotency-Key reused with a different body (409).",
     "sharedPart": "The shared-part rule blamed a part (a switch, a rack): the node is `<label>=<value>`, the record's "
     "`shared_part` says which nodes.",
+    "return-to-service": "The diagnostics gate passed: what the repair case's flows applied was removed, the node is "
+    "back in service (the record's flow is the case id; details: `fault_class`, `undone`; docs/repair.md).",
+    "hand-back": "The external repair system answered a RepairRequest (`Repaired`, `Replaced`): the diagnostics gate "
+    "runs again (details: `repair_request`, `answer`, `by`, `flow`).",
 }
 """Audit record actions that are not policy actions (``engine``, ``app``, ``signing``, ``api``, ``sharedparts``), with
 what the record says; every step's own name (``cordon``, ``drain``, ``drain#2``, ...) is one too (docs/audit.md).

@@ -1,8 +1,9 @@
-"""Reboot and GPU-reset Jobs: operator-fixed templates that xidflow validates before creating them.
+"""Reboot, GPU-reset and diagnostics Jobs: operator-fixed templates that xidflow validates before creating them.
 
 A hook Job runs privileged on a node, so what it runs is the operator's decision alone: its image,
 command and privileges come from the template the operator installed with the actuator
-(``XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE`` / ``..._RESET_JOB_TEMPLATE``, else the built-in one), never
+(``XIDFLOW_ACTUATOR_REBOOT_JOB_TEMPLATE`` / ``..._RESET_JOB_TEMPLATE`` / ``..._DIAGNOSTICS_JOB_TEMPLATE``, else
+the built-in one), never
 from a rescue request or a policy. Before a Job is created xidflow checks that it has the hook's shape,
 the same shape the admission policy of ``deploy/rbac/hook-jobs-admission.yaml`` demands of every Job the
 actuator creates (so that the actuator refuses at start what the API server would refuse at the first
@@ -47,6 +48,7 @@ class JobTemplateError(ValueError):
 class _TemplateSettings(Protocol):
     reboot_job_template: str
     reset_job_template: str
+    diagnostics_job_template: str
     hook_service_account: str
 
 
@@ -154,6 +156,8 @@ def load_template(path: str | Path, what: str, hook_service_account: str | None 
 def check_operator_templates(settings: _TemplateSettings) -> None:
     """Refuse at start-up a configured reboot/reset template that is missing or unsafe."""
     account = settings.hook_service_account
-    for path, what in ((settings.reboot_job_template, "reboot"), (settings.reset_job_template, "GPU-reset")):
+    templates = ((settings.reboot_job_template, "reboot"), (settings.reset_job_template, "GPU-reset"),
+                 (settings.diagnostics_job_template, "diagnostics"))
+    for path, what in templates:
         if path:
             load_template(path, what, account)

@@ -538,6 +538,11 @@ class Kube:
     async def get_job(self, namespace: str, name: str) -> dict[str, Any]:
         return await self._call(self.batch.read_namespaced_job, name, namespace)
 
+    async def list_pods(self, namespace: str, label_selector: str) -> list[dict[str, Any]]:
+        """A namespace's pods matching a label selector (a hook Job's pods, by ``batch.kubernetes.io/job-name``)."""
+        page = await self._call(self.core.list_namespaced_pod, namespace, label_selector=label_selector)
+        return page.get("items") or []
+
     # -- configmaps (shared state) ---------------------------------------------------------------------
     async def get_configmap(self, namespace: str, name: str) -> dict[str, Any]:
         return await self._call(self.fast.read_namespaced_config_map, name, namespace)
@@ -741,6 +746,14 @@ class Kube:
 
     async def delete_cluster_object(self, group: str, version: str, plural: str, name: str) -> None:
         await self._call(self.custom.delete_cluster_custom_object, group, version, plural, name)
+
+    async def patch_cluster_object(
+        self, group: str, version: str, plural: str, name: str, body: dict[str, Any]
+    ) -> dict[str, Any]:
+        """JSON merge patch of a cluster-scoped custom object (not its status)."""
+        return await self._call(
+            self.custom.patch_cluster_custom_object, group, version, plural, name, body, _content_type=MERGE_PATCH
+        )
     # -- the workload on a node (notifyWorkload) -------------------------------------------------------
     async def patch_pod_status(self, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
         """Strategic merge patch on the pod's status subresource: conditions merge by type."""

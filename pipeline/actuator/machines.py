@@ -14,7 +14,10 @@ What no program here does is what the machine itself does, and that is simulated
   kubelet reports; KWOK's ``node-initialize`` stage then makes it Ready, keeping the new boot id;
 - going silent (``stop_heartbeats``): the machine is gone, so KWOK stops renewing its node's Lease and the
   node lifecycle controller, after its grace period, marks the node ``Unknown`` and taints it
-  ``node.kubernetes.io/unreachable``; ``resume_heartbeats`` brings it back.
+  ``node.kubernetes.io/unreachable``; ``resume_heartbeats`` brings it back;
+- what its programs do when xidflow's hook Jobs run on it: a reboot Job reboots it (``reboot_when_asked``), a
+  diagnostics program passes or fails with a result (``finish_diagnostics``); KWOK ends their pods as the
+  kubelet would and the Job controller gives the Jobs their conditions.
 
 A node created with ``managed=False`` carries no KWOK label: no kubelet answers for it, so the node
 lifecycle controller marks it ``Unknown`` after its startup grace, as on a cluster. The tests here need
@@ -24,12 +27,13 @@ none: a node that goes silent is a KWOK node whose machine stopped (``stop_heart
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
-from pipeline.localinfra.kwok import MANAGED_LABEL
+from pipeline.localinfra.kwok import MANAGED_LABEL, POD_COMPLETE_LABEL, POD_FAIL_LABEL
 
 XID79_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 """A kernel line of a GPU that fell off the bus, as the NVIDIA driver writes it."""
@@ -248,3 +252,74 @@ async def stop_heartbeats(kube: Kube, name: str) -> None:
 async def resume_heartbeats(kube: Kube, name: str) -> None:
     """The machine answers again: KWOK takes its node back and renews its Lease (Ready again once KWOK has)."""
     await kube.patch_node(name, {"metadata": {"labels": dict(KWOK_LABELS)}})
+
+
+# -- what the machine's programs do when xidflow's hook Jobs run on it ----------------------------------------
+HELD_POD_LABELS = {POD_COMPLETE_LABEL: "false"}
+"""Pod labels of a hook Job whose program's outcome the simulated machine decides (``finish_diagnostics``): KWOK
+runs the pod and leaves it running until then."""
+
+
+def held_job(template: str) -> dict[str, Any]:
+    """A hook Job template (YAML) whose pod the machine's program ends when a test says (``HELD_POD_LABELS``). Pure."""
+    import yaml
+
+    job = yaml.safe_load(template)
+    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {}).update(HELD_POD_LABELS)
+    return job
+
+
+async def job_pods(kube: Kube, namespace: str, job: str) -> list[dict[str, Any]]:
+    """The pods the Job controller made for a Job (its ``batch.kubernetes.io/job-name`` label)."""
+    return await kube.list_pods(namespace, f"batch.kubernetes.io/job-name={job}")
+
+
+async def finish_diagnostics(
+    kube: Kube, namespace: str, job: str, passed: bool, result: Mapping[str, Any] | None = None,
+    exit_code: int = 1, limit_s: float = 60.0,
+) -> None:
+    """The diagnostics program on the machine ends (a held diagnostics Job's pod: ``HELD_POD_LABELS``).
+
+    Passed: the pod is let go and KWOK's ``pod-complete`` stage ends it (exit 0). Failed: KWOK's chaos stage ends
+    it with ``exit_code`` and ``result`` (a JSON object) as the container's termination message, as the program
+    writes it to /dev/termination-log; KWOK puts the message into its status template unquoted, so it is handed
+    over YAML-quoted. Either way the Job controller reads the pod and sets the Job's condition.
+    """
+    deadline = time.monotonic() + limit_s
+    while True:
+        pods = [p for p in await job_pods(kube, namespace, job) if (p.get("status") or {}).get("phase") == "Running"]
+        if pods:
+            break
+        if time.monotonic() >= deadline:
+            raise AssertionError(f"no running pod of Job {namespace}/{job} within {limit_s:g}s")
+        await asyncio.sleep(0.1)
+    name = pods[0]["metadata"]["name"]
+    if passed:
+        body: dict[str, Any] = {"metadata": {"labels": {POD_COMPLETE_LABEL: "true"}}}
+    else:
+        message = json.dumps(dict(result or {"result": "fail"}), separators=(",", ":"))
+        body = {"metadata": {
+            "labels": {POD_FAIL_LABEL: "true"},
+            "annotations": {f"{POD_FAIL_LABEL}/message": "'" + message.replace("'", "''") + "'",
+                            f"{POD_FAIL_LABEL}/exit-code": str(exit_code),
+                            f"{POD_FAIL_LABEL}/delay": "0", f"{POD_FAIL_LABEL}/jitter-delay": "0"},
+        }}
+    await kube._call(kube.core.patch_namespaced_pod, name, namespace, body)
+
+
+async def reboot_when_asked(kube: Kube, namespace: str, node: str, boot_ids: Iterable[str], poll: float = 0.2) -> None:
+    """The machine runs xidflow's reboot Jobs for real: each time one of them on ``node`` has run (the Job
+    controller says Complete), the machine reboots with the next of ``boot_ids``. Runs until cancelled."""
+    done: set[str] = set()
+    ids = iter(boot_ids)
+    while True:
+        page = await kube._call(kube.batch.list_namespaced_job, namespace)
+        for job in page.get("items") or []:
+            name = job["metadata"]["name"]
+            spec = job["spec"]["template"]["spec"]
+            complete = any(c.get("type") == "Complete" and c.get("status") == "True"
+                           for c in (job.get("status") or {}).get("conditions") or [])
+            if name.startswith("xidflow-reboot-") and spec.get("nodeName") == node and complete and name not in done:
+                done.add(name)
+                await reboot(kube, node, next(ids))
+        await asyncio.sleep(poll)

@@ -15,7 +15,8 @@ Shape::
                              "fin": <epoch> (the flow ended: every step ran, or it stopped),
                              "log": {"<step>": {"by": "<worker>", "at": <epoch>, "outcome": ..., "reason": ...,
                                                 "details": {...}}}}},
-     "attempts": [<epoch>, ...]}
+     "attempts": [<epoch>, ...],
+     "repairs":  {"<fault class>": <repair case, pipeline.actuator.repaircase>}}
 
 A flow with a ``plan`` and no ``fin`` is open: whichever replica owns the node's partition drives it
 to the end from here, without its record (level-triggered). A claim is a lease: its holder renews
@@ -27,6 +28,10 @@ never recorded there, so it is never undone.
 Every field is a contract (tools and people read the annotation): ``LEDGER_FIELDS``, ``OWNED_KEYS`` and
 ``FLOW_FIELDS`` say what each means, ``docs/node-ledger.md`` is generated from them
 (``pipeline.runtime.contractdocs``), and ``set_flow_value`` refuses a field they do not name.
+
+``repairs`` holds one repair case per fault class (``GpuFellOffBus``, ``GpuEcc``, ...) for rules with a
+``repair`` block: the faults, the repairs tried, the diagnostics run, the hand-off, and where the node is
+in the loop (``pipeline.actuator.repaircase``, documented in docs/repair.md).
 """
 
 from __future__ import annotations
@@ -49,10 +54,14 @@ LEDGER_FIELDS: dict[str, str] = {
     "v": "Format version: 1.",
     "owned": "Effect key (`OWNED_KEYS`) -> the flows that need it, oldest first. What undo may remove: an effect "
     "xidflow found in place (a person's cordon) is never here.",
-    "flows": "Flow key (an incident id, or `req:<request id>` for a rescue request) -> its entry (`FLOW_FIELDS`). "
+    "flows": "Flow key (an incident id, `req:<request id>` for a rescue request, `<case>-<n>` and `<incident>-rev<n>` "
+    "for a repair case's own flows) -> its entry (`FLOW_FIELDS`). "
     "At most `XIDFLOW_ACTUATOR_LEDGER_MAX_FLOWS` (20); the oldest finished flows that own nothing are forgotten.",
     "attempts": "When each disruptive flow (drain, reboot, resetGpu) started (epoch seconds), within the attempt "
     "window: the attempt cap counts them.",
+    "repairs": "Fault class (`GpuFellOffBus`, `GpuEcc`, ...) -> its repair case, for rules with the repair loop: the "
+    "faults, the repairs tried, the diagnostics run, the hand-off and where the node is in the loop "
+    "(docs/repair.md). Absent on nodes without a case.",
 }
 """The ledger's top-level fields."""
 
@@ -130,6 +139,7 @@ class Ledger:
     owned: dict[str, list[str]] = field(default_factory=dict)
     flows: dict[str, dict[str, Any]] = field(default_factory=dict)
     attempts: list[float] = field(default_factory=list)
+    repairs: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     # -- (de)serialisation -------------------------------------------------------------------
     @classmethod
@@ -146,16 +156,18 @@ class Ledger:
             owned={k: list(v) for k, v in (data.get("owned") or {}).items()},
             flows={k: dict(v) for k, v in (data.get("flows") or {}).items()},
             attempts=[float(t) for t in data.get("attempts") or []],
+            repairs={k: dict(v) for k, v in (data.get("repairs") or {}).items() if isinstance(v, dict)},
         )
 
     def to_annotation(self) -> str:
-        return orjson.dumps(
-            {"v": 1, "owned": self.owned, "flows": self.flows, "attempts": self.attempts},
-            option=orjson.OPT_SORT_KEYS,
-        ).decode()
+        body: dict[str, Any] = {"v": 1, "owned": self.owned, "flows": self.flows, "attempts": self.attempts}
+        if self.repairs:  # absent on nodes without a repair case: the annotation of most nodes is unchanged
+            body["repairs"] = self.repairs
+        return orjson.dumps(body, option=orjson.OPT_SORT_KEYS).decode()
 
     def copy(self) -> Ledger:
-        return Ledger(copy.deepcopy(self.owned), copy.deepcopy(self.flows), list(self.attempts))
+        return Ledger(copy.deepcopy(self.owned), copy.deepcopy(self.flows), list(self.attempts),
+                      copy.deepcopy(self.repairs))
 
     # -- flows and steps ---------------------------------------------------------------------
     def flow(self, flow_key: str, now: float) -> dict[str, Any]:
@@ -309,6 +321,12 @@ class Ledger:
         for flow_key in owners:
             self.cancel(flow_key, "manual-uncordon", now)
         self.owned.pop(CORDON, None)
+        if self.repairs:  # a person took the node back: the repair cases of those flows are over
+            from pipeline.actuator import repaircase
+
+            for cls, case in self.repairs.items():
+                if set(case.get("flows") or ()) & set(owners):
+                    repaircase.close(self, cls, now, "manual-uncordon: a person took the node back")
         return list(owners)
 
     # -- attempt cap ---------------------------------------------------------------------------

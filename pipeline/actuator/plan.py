@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pipeline.actuator import actions
+from pipeline.actuator import actions, repaircase
 from pipeline.actuator.actions import Kind
 from pipeline.actuator.actions.taint_device import EFFECT_PREFIX as DEVICE_RULE_EFFECT_PREFIX
 from pipeline.actuator.nodeview import NodeView
@@ -83,6 +83,17 @@ class Plan:
     """The engine records an attempt on the node when this flow starts."""
     problem: Problem | None = None
     details: dict[str, Any] = field(default_factory=dict)
+    case: repaircase.Decision | None = None
+    """The repair case the incident opens, joins or continues (a rule with the repair loop), recorded with the
+    flow's first write (``join``: by itself, nothing else is written)."""
+    case_policy: dict[str, Any] = field(default_factory=dict)
+    """What a new case keeps of the rule's ``repair`` block (window, maxFailedRepairs, webhookUrl)."""
+    case_again: tuple[dict[str, Any], ...] = ()
+    """The rule's repair steps and diagnose, run again after a failed diagnostics."""
+
+
+# Repair steps (reboot, resetGpu): a retry of a case runs the rule from the first one on.
+REPAIRS = actions.names(repairs=True)
 
 
 def _keyed_steps(specs: list[ActionSpec], settings: ActuatorSettings, problem: Problem | None) -> tuple[Step, ...]:
@@ -123,40 +134,84 @@ def plan_incident(
     settings: ActuatorSettings,
     now: float,
 ) -> Plan:
-    """The steps for one incident on one node, in order."""
+    """The steps for one incident on one node, in order.
+
+    The flow is the incident's id, or, for a revision of an incident that comes back in a repair case after
+    its flow ended (``repaircase.revision_flow``), a flow of that revision: its repair runs again.
+    """
     ledger = node.ledger
     problem = classify_incident(incident)
     rule = policies.select(incident.kind, incident.code, node.labels)
-    base = {"flow_key": incident.incident_id, "node": node.name, "rule": rule.name, "problem": problem}
+    flow_key = repaircase.flow_of(ledger, incident.incident_id, incident.revision)
+    base = {"flow_key": flow_key, "node": node.name, "rule": rule.name, "problem": problem}
     if node.opted_out(settings.opt_out_label):
         return Plan(**base, skip_reason=f"opt-out label {settings.opt_out_label}=true")
     if settings.manual_only:
         return Plan(**base, skip_reason="manual-only mode: automatic policies are off")
-    cancelled = ledger.cancelled(incident.incident_id)
+    cancelled = ledger.cancelled(flow_key)
     if cancelled:
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
-    if not node.unschedulable and incident.incident_id in ledger.owners(CORDON):
+    if not node.unschedulable and flow_key in ledger.owners(CORDON):
         return Plan(**base, skip_reason="cancelled: manual-uncordon")
     part = open_part(ledger)
-    if part and incident.incident_id not in ledger.flows and blamed_on_part(
+    if part and flow_key not in ledger.flows and blamed_on_part(
         incident.kind, incident.code, incident.signature, Catalog.configured()
     ):
         # The part behind the node is blamed already (pipeline.actuator.sharedparts): its rule applies, not
         # the node's quarantine. Only a new flow: one the node's rule already started goes on.
         return Plan(**base, skip_reason=f"blamed on shared part {part}")
 
+    loop = rule.repair_loop
+    held = repaircase.untouched(ledger)
+    cls = str(problem.condition_type)
+    if held and not _in_case(ledger, flow_key):
+        # Handed off (or being handed off): the external repair system has the node. A fault of the case's
+        # class is recorded in the case (its evidence travels with the next hand-off); nothing starts.
+        join = repaircase.Decision("join", cls, incident.incident_id) if repaircase.case_of(ledger, cls) else None
+        return Plan(**base, skip_reason=f"{held}: xidflow does not touch the node", case=join)
+    decision: repaircase.Decision | None = None
+    if loop is not None and repaircase.seen(ledger, cls, incident.incident_id, incident.revision):
+        if not _in_case(ledger, flow_key):  # a redelivery of a fault that joined the case: it started nothing
+            case_id = (repaircase.case_of(ledger, cls) or {}).get("case")
+            return Plan(**base, skip_reason=f"recorded in repair case {case_id} already")
+    elif loop is not None:
+        decision = repaircase.decide(ledger, cls, incident.incident_id, now, loop.window, loop.max_failed_repairs)
+        if decision.kind == "join":
+            return Plan(**base, skip_reason=f"{decision.reason} (fault recorded in the case)", case=decision)
+        if decision.kind in ("relapse", "escalate") and flow_key in ledger.flows:
+            # The incident's flow ended with an earlier repair: this revision is a flow of its own in the case.
+            flow_key = base["flow_key"] = repaircase.revision_flow(incident.incident_id, incident.revision)
     specs = expand_actions(rule, incident)
+    case_fields: dict[str, Any] = {}
+    if loop is not None:
+        first = next((i for i, s in enumerate(specs) if s.name in REPAIRS), None)
+        again = specs[first:] if first is not None else []  # no repair to run again: a failed gate hands off
+        case_fields = {
+            "case": decision,
+            "case_policy": {"window": loop.window, "maxFailedRepairs": loop.max_failed_repairs,
+                            **({"webhookUrl": loop.handoff.webhook_url} if loop.handoff.webhook_url else {})},
+            "case_again": tuple(s.model_dump(mode="json", by_alias=True, exclude_defaults=True) for s in again),
+        }
+    if decision is not None and decision.kind == "escalate":
+        # Repairs did not hold: the node goes out (the rule's quarantine and drain), and to hardware inspection.
+        specs = [s for s in specs if s.name not in ESCALATION_DROPS] + [
+            ActionSpec.model_validate(step) for step in repaircase.INSPECTION_STEPS
+        ]
+        case_fields["details"] = {"escalation": decision.reason}
     escalated = incident.action == Action.CONTACT_SUPPORT and any(s.name in ESCALATION_DROPS for s in specs)
-    is_new_flow = incident.incident_id not in ledger.flows
+    is_new_flow = flow_key not in ledger.flows
     disruptive = any(s.name in DISRUPTIVE for s in specs)
     over_cap = (
         is_new_flow
         and disruptive
         and ledger.attempts_within(settings.attempt_window_seconds, now) >= settings.attempt_cap
     )
-    details: dict[str, Any] = {}
+    details: dict[str, Any] = case_fields.pop("details", {})
     if over_cap or escalated:
         specs = _escalate(specs)
+        if loop is not None and not any(s.name == "hardwareInspection" for s in specs):
+            # A rule with the repair loop hands the node off instead of leaving it to a person unannounced.
+            specs += [ActionSpec.model_validate(step) for step in repaircase.INSPECTION_STEPS]
         escalated = True
         details["escalation"] = (
             f"attempt cap {settings.attempt_cap} per {settings.attempt_window_seconds:g}s reached"
@@ -169,7 +224,12 @@ def plan_incident(
         escalated=escalated,
         new_attempt=is_new_flow and disruptive and not over_cap,
         details=details,
+        **case_fields,
     )
+
+
+def _in_case(ledger: Ledger, flow: str) -> bool:
+    return repaircase.case_of_flow(ledger, flow) is not None
 
 
 def open_part(ledger: Ledger) -> str | None:
@@ -189,6 +249,9 @@ def plan_request(request: RescueActionRequest, node: NodeView, settings: Actuato
     cancelled = node.ledger.cancelled(flow_key)
     if cancelled:
         return Plan(**base, skip_reason=f"cancelled: {cancelled}")
+    held = repaircase.untouched(node.ledger)
+    if held and flow_key not in node.ledger.flows:
+        return Plan(**base, skip_reason=f"{held}: xidflow does not touch the node")
     specs = [ActionSpec(name=a.name, waittime=float(a.waittime)) for a in request.actions]
     return Plan(**base, steps=_keyed_steps(specs, settings, None), details={"xid": request.xid})
 

@@ -5,6 +5,9 @@ lists ordered actions. The highest priority matching rule wins; the built-in glo
 0, no codes, no selector, ``quarantine`` per the catalog's action) matches everything. A
 ``WarmStandbyPolicy`` maps origin-node labels to the labels of standby nodes that may replace it.
 Everything here is pure: no I/O except reading a file handed in by path.
+
+One module (about 520 lines): every model of a RescuePolicy document (rules, actions, the repair loop, shared
+parts, repair budgets) is validated in one pass whose errors name the field path, and the set built from them.
 """
 
 from __future__ import annotations
@@ -12,10 +15,10 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from pipeline.actuator import checkpoint, conditions
 from pipeline.actuator.actions import ACTION_NAMES, attrs_by_action
@@ -158,6 +161,82 @@ _ATTRS_BY_ACTION: dict[str, set[str]] = attrs_by_action()
 _DNS_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")
 
 
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
+_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+SHARED_PART_NAME_MAX = 56
+"""The taint key is ``xidflow.dev/shared-<name>`` and a taint key's name is at most 63 characters."""
+
+
+def label_key_error(key: str) -> str | None:
+    """Why ``key`` is not a Kubernetes label key (None: it is): an optional DNS subdomain and '/', a name."""
+    prefix, slash, name = key.rpartition("/")
+    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
+        return f"{key!r}: the prefix before '/' must be a DNS subdomain"
+    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
+        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.', optionally prefixed)"
+    return None
+
+
+def _label_key(value: str) -> str:
+    problem = label_key_error(value)
+    if problem:
+        raise ValueError(problem)
+    return value
+
+
+LabelKey = Annotated[str, AfterValidator(_label_key)]
+"""A Kubernetes label key (``label_key_error`` says why not)."""
+
+
+class HandoffSpec(_Model):
+    """Where a node goes when repairs did not hold (``hardwareInspection``): always a ``RepairRequest`` object
+    (deploy/crds/repairrequests.xidflow.dev.yaml), whose status the external repair system answers; with
+    ``webhookUrl`` also a CloudEvent POSTed there (docs/repair.md)."""
+
+    webhook_url: str | None = Field(
+        default=None, alias="webhookUrl", pattern=r"^https?://",
+        description="Also POST the hand-off as a CloudEvent (structured JSON) to this URL",
+    )
+
+
+class RepairSpec(_Model):
+    """The repair loop of a rule (docs/repair.md): one repair case per node and fault class in the node's ledger."""
+
+    window: float = Field(
+        default=86400, gt=0, le=30 * 86400,
+        description="Seconds after a return to service within which a fault of the same class means the repair "
+        "did not hold",
+    )
+    max_failed_repairs: int = Field(
+        default=2, ge=1, le=20, alias="maxFailedRepairs",
+        description="Repairs that did not hold (diagnostics failed, or the fault came back within window) before "
+        "the next step is hardwareInspection instead of another repair",
+    )
+    handoff: HandoffSpec = Field(default_factory=HandoffSpec)
+
+
+class RepairBudget(_Model):
+    """At most ``maxNodes`` nodes (or ``maxShare`` of the GPU nodes) sharing a value of ``label`` in a repair step
+    (drain, reboot, resetGpu, diagnose) at once, held across replicas in a ConfigMap (docs/repair.md)."""
+
+    label: LabelKey = Field(min_length=1, max_length=317, description="Node label key that names the group")
+    max_nodes: int | None = Field(default=None, ge=1, le=100_000, alias="maxNodes")
+    max_share: float | None = Field(default=None, gt=0, le=1, alias="maxShare")
+
+    @model_validator(mode="after")
+    def _one_bound(self) -> RepairBudget:
+        if (self.max_nodes is None) == (self.max_share is None):
+            raise ValueError("maxNodes: give exactly one of maxNodes and maxShare")
+        return self
+
+    def cap(self, group_size: int) -> int:
+        """Nodes of a group of ``group_size`` that may be in repair at once (a share rounds down, at least 1)."""
+        if self.max_nodes is not None:
+            return self.max_nodes
+        assert self.max_share is not None
+        return max(1, int(self.max_share * max(group_size, 0) + 1e-9))
+
+
 class NodeSelector(_Model):
     operator: Literal["any", "all"] = "all"
     labels: dict[str, str] = Field(default_factory=dict)
@@ -176,6 +255,9 @@ class Rule(_Model):
     kinds: tuple[FaultKind, ...] = Field(default=(), description="Fault kinds; empty matches every kind")
     node_selector: NodeSelector | None = Field(default=None, alias="nodeSelector")
     actions: tuple[ActionSpec, ...] = Field(min_length=1)
+    repair: RepairSpec | None = Field(
+        default=None, description="The repair loop (diagnostics gate, escalation, hand-off); implied by diagnose"
+    )
 
     def matches(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> bool:
         if self.kinds and kind not in self.kinds:
@@ -198,26 +280,30 @@ class Rule(_Model):
                 )
         return self
 
+    @model_validator(mode="after")
+    def _repair_loop(self) -> Rule:
+        names = [spec.name for spec in self.actions]
+        gated = "diagnose" in names
+        if self.repair is not None and not gated:
+            raise ValueError("repair: needs a diagnose action (the gate that returns the node to service)")
+        if gated:
+            if "unCordon" in names:
+                raise ValueError("actions: unCordon is not allowed with diagnose (a pass returns the node)")
+            if any(spec.uncordon_after for spec in self.actions):
+                raise ValueError("actions: uncordonAfter is not allowed with diagnose (a pass returns the node)")
+        return self
+
+    @property
+    def repair_loop(self) -> RepairSpec | None:
+        """The rule's repair loop: its ``repair`` block, the defaults when it only lists ``diagnose``, else None."""
+        if self.repair is not None:
+            return self.repair
+        return RepairSpec() if any(spec.name == "diagnose" for spec in self.actions) else None
+
     @property
     def specificity(self) -> int:
         # Ties at equal priority go to the narrower rule, then to the name, so every replica agrees.
         return int(bool(self.codes)) + int(bool(self.kinds)) + int(self.node_selector is not None)
-
-
-_LABEL_NAME = re.compile(r"^([A-Za-z0-9][-A-Za-z0-9_.]*)?[A-Za-z0-9]$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
-SHARED_PART_NAME_MAX = 56
-"""The taint key is ``xidflow.dev/shared-<name>`` and a taint key's name is at most 63 characters."""
-
-
-def label_key_error(key: str) -> str | None:
-    """Why ``key`` is not a Kubernetes label key (None: it is): an optional DNS subdomain and '/', a name."""
-    prefix, slash, name = key.rpartition("/")
-    if slash and (not prefix or len(prefix) > 253 or not _DNS_SUBDOMAIN.match(prefix)):
-        return f"{key!r}: the prefix before '/' must be a DNS subdomain"
-    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
-        return f"{key!r} is not a label key (a name of at most 63 letters, digits, '-', '_', '.', optionally prefixed)"
-    return None
 
 
 def default_part_name(label: str) -> str:
@@ -234,20 +320,12 @@ class SharedPartRule(_Model):
     one audit record (which goes to the notification webhooks); never a cordon, drain or reboot, and the
     circuit breaker does not count those nodes as quarantined."""
 
-    label: str = Field(min_length=1, max_length=317, description="Topology label key the nodes share")
+    label: LabelKey = Field(min_length=1, max_length=317, description="Topology label key the nodes share")
     name: str = Field(default="", max_length=SHARED_PART_NAME_MAX, description="Short name; default from the label")
     min_nodes: int = Field(default=3, ge=2, le=100_000, alias="minNodes")
     window: float = Field(default=300.0, gt=0, le=86_400, description="Seconds (event time)")
     taint_effect: TaintEffect | Literal["None"] = Field(default="NoSchedule", alias="taintEffect")
     condition: bool = True
-
-    @field_validator("label")
-    @classmethod
-    def _label(cls, value: str) -> str:
-        problem = label_key_error(value)
-        if problem:
-            raise ValueError(problem)
-        return value
 
     @field_validator("name")
     @classmethod
@@ -264,6 +342,7 @@ class SharedPartRule(_Model):
 class RescuePolicySpec(_Model):
     rules: tuple[Rule, ...] = Field(min_length=1)
     shared_parts: tuple[SharedPartRule, ...] = Field(default=(), alias="sharedParts", max_length=64)
+    repair_budgets: tuple[RepairBudget, ...] = Field(default=(), alias="repairBudgets", max_length=64)
 
 
 class WarmStandbySpec(_Model):
@@ -289,6 +368,8 @@ class PolicySet(_Model):
     standby: tuple[WarmStandbyPolicy, ...] = ()
     shared_parts: tuple[SharedPartRule, ...] = ()
     """Shared-part rules of every RescuePolicy, by label (one rule per label fleet-wide)."""
+    repair_budgets: tuple[RepairBudget, ...] = ()
+    """Repair budgets of every RescuePolicy, by label (one budget per label fleet-wide)."""
 
     def select(self, kind: FaultKind, code: int | None, node_labels: Mapping[str, str]) -> Rule:
         """The rule that wins for this incident on this node: highest priority, then most specific.
@@ -343,6 +424,14 @@ def parse_document_parts(
     doc: Mapping[str, Any],
 ) -> tuple[list[Rule], list[WarmStandbyPolicy], list[SharedPartRule]]:
     """``parse_document`` with the RescuePolicy's shared-part rules."""
+    rules, standby, parts, _ = parse_document_all(doc)
+    return rules, standby, parts
+
+
+def parse_document_all(
+    doc: Mapping[str, Any],
+) -> tuple[list[Rule], list[WarmStandbyPolicy], list[SharedPartRule], list[RepairBudget]]:
+    """``parse_document`` with the RescuePolicy's shared-part rules and repair budgets."""
     if not isinstance(doc, Mapping):
         raise PolicyError("document: expected a mapping")
     kind = doc.get("kind")
@@ -362,10 +451,10 @@ def parse_document_parts(
             _raise_for(f"{kind}/{name} spec", exc)
         rules = [r if r.name else r.model_copy(update={"name": f"{name}[{i}]"}) for i, r in enumerate(parsed.rules)]
         parts = [p.model_copy(update={"name": p.part}) for p in parsed.shared_parts]
-        return rules, [], parts
+        return rules, [], parts, list(parsed.repair_budgets)
     if kind == STANDBY_KIND:
         try:
-            return [], [WarmStandbyPolicy(name=name, spec=WarmStandbySpec.model_validate(spec))], []
+            return [], [WarmStandbyPolicy(name=name, spec=WarmStandbySpec.model_validate(spec))], [], []
         except ValidationError as exc:
             _raise_for(f"{kind}/{name} spec", exc)
     raise PolicyError(f"kind: expected {RESCUE_KIND} or {STANDBY_KIND}, got {kind!r}")
@@ -375,9 +464,14 @@ def build_policy_set(docs: Iterable[Mapping[str, Any]]) -> PolicySet:
     rules: list[Rule] = []
     standby: list[WarmStandbyPolicy] = []
     parts: dict[str, SharedPartRule] = {}
+    budgets: dict[str, RepairBudget] = {}
     seen: set[str] = set()
     for doc in docs:
-        r, s, p = parse_document_parts(doc)
+        r, s, p, b = parse_document_all(doc)
+        for budget in b:
+            if budget.label in budgets:  # two budgets on one label would hold two slots for one repair
+                raise PolicyError(f"repairBudgets: label {budget.label!r} is named twice")
+            budgets[budget.label] = budget
         for rule in r:
             if rule.name in seen:
                 raise PolicyError(f"rules: duplicate rule name {rule.name!r}")
@@ -394,7 +488,8 @@ def build_policy_set(docs: Iterable[Mapping[str, Any]]) -> PolicySet:
     rules.sort(key=lambda r: (-r.priority, -r.specificity, r.name))
     standby.sort(key=lambda p: p.name)
     return PolicySet(
-        rules=tuple(rules), standby=tuple(standby), shared_parts=tuple(sorted(parts.values(), key=lambda p: p.label))
+        rules=tuple(rules), standby=tuple(standby), shared_parts=tuple(sorted(parts.values(), key=lambda p: p.label)),
+        repair_budgets=tuple(sorted(budgets.values(), key=lambda b: b.label)),
     )
 
 

@@ -29,6 +29,7 @@ import orjson
 from aiokafka.partitioner import murmur2
 from kubernetes.watch.watch import iter_resp_lines
 
+from pipeline.actuator import repaircase
 from pipeline.actuator.baseline_conditions import BaselineConditions
 from pipeline.actuator.breaker_rules import quarantined_by_xidflow
 from pipeline.actuator.engine import Engine
@@ -47,9 +48,10 @@ def partition_of(node: str, partitions: int) -> int:
 
 
 def needs_attention(view: NodeView, ledger: Ledger | None = None) -> bool:
-    """An open flow to drive, or a cordon of ours a person removed (``ledger``: the view's, already parsed)."""
+    """An open flow to drive, a repair case that waits on xidflow (a return to finish, a hand-off's answer to
+    look for), or a cordon of ours a person removed (``ledger``: the view's, already parsed)."""
     ledger = ledger if ledger is not None else view.ledger
-    if ledger.open_flows():
+    if ledger.open_flows() or (ledger.repairs and repaircase.needs_driving(ledger)):
         return True
     return not view.unschedulable and bool(ledger.owners(CORDON))
 
@@ -245,6 +247,17 @@ class Reconciler:
         """(GPU nodes, those xidflow quarantined, their names: a live view) from the watch; None before the first
         list (the breaker's cache)."""
         return (len(self.nodes), frozenset(self.quarantined), self.nodes.keys()) if self.synced else None
+
+    def look_at(self, node: str) -> None:
+        """Something outside the Node changed for it (a RepairRequest's answer): look at it now, when ours."""
+        if self._loop is not None and self.synced:
+            self._consider(node)
+
+    def group_size(self, label: str, value: str) -> int | None:
+        """GPU nodes labelled ``label=value`` (a repair budget's group), from the watch; None before it listed."""
+        if not self.synced:
+            return None
+        return sum(1 for view in self.nodes.values() if view.labels.get(label) == value)
 
     def with_work(self) -> dict[str, NodeView]:
         """The nodes of ``attention`` (every node with an open flow among them), for the fleet gauges."""

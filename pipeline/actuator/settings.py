@@ -50,6 +50,9 @@ class ActuatorSettings(BaseSettings):
     """ConfigMap holding the circuit-breaker state. Default ``xidflow-breaker``."""
     drains_configmap: str = "xidflow-drains"
     """ConfigMap holding the cluster-wide drain slots. Default ``xidflow-drains``."""
+    repair_budgets_configmap: str = "xidflow-repair-budgets"
+    """ConfigMap holding the repair-budget slots of the RescuePolicies' ``repairBudgets`` (per node-group label
+    value). Default ``xidflow-repair-budgets``."""
     shared_parts_configmap: str = "xidflow-shared-parts"
     """ConfigMap holding the shared-part correlation (one entry per topology label value). Default
     ``xidflow-shared-parts``."""
@@ -57,6 +60,9 @@ class ActuatorSettings(BaseSettings):
     """Largest share of GPU nodes quarantined within the window before the breaker trips. Default 0.5."""
     breaker_window_seconds: float = Field(default=300, gt=0)
     """Breaker window in seconds. Default 300."""
+    breaker_max_nodes: int = Field(default=0, ge=0)
+    """Absolute bound next to the share: the breaker trips before more than this many GPU nodes are counted
+    (quarantined now or admitted within the window). Default 0: no absolute bound, the share alone."""
     breaker_reserve_block: int = Field(default=0, ge=0, le=100_000)
     """Headroom slots each replica reserves in the breaker's ConfigMap and admits from without a write
     (``pipeline.actuator.breaker``). Default 0: none, every admission batch is one conditional write. More
@@ -112,6 +118,10 @@ class ActuatorSettings(BaseSettings):
     """YAML file of the default privileged reboot Job template. Default empty: built-in template."""
     reset_job_template: str = ""
     """YAML file of the default GPU-reset Job template. Default empty: built-in template."""
+    diagnostics_job_template: str = ""
+    """YAML file of the diagnostics Job template (the ``diagnose`` gate; its container writes the result to its
+    termination message, docs/repair.md). Default empty: built-in template, DCGM diagnostics level 2
+    (``dcgmi diag -r 2``)."""
     hook_service_account: str = "xidflow-node-ops"
     """ServiceAccount (no RBAC, no token) that reboot/GPU-reset Jobs run as. Default ``xidflow-node-ops``."""
 
@@ -125,7 +135,7 @@ class ActuatorSettings(BaseSettings):
             )
         return value
 
-    @field_validator("reboot_job_template", "reset_job_template")
+    @field_validator("reboot_job_template", "reset_job_template", "diagnostics_job_template")
     @classmethod
     def _template_file_exists(cls, value: str) -> str:
         if value and not Path(value).is_file():

@@ -8,8 +8,9 @@ helpers are re-exported here for the tests and benchmarks that import them from 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -38,8 +39,8 @@ from schemas.records import Action, FaultKind, NodeIncident, RemediationRecord, 
 __all__ = [
     "GPU_ALLOCATABLE", "GPU_CAPACITY", "GPU_LABELS", "XID79_LINE", "XIDFLOW_EVENT_SOURCE", "create_nodes",
     "delete_nodes", "make_incident", "node_events", "node_object", "node_status", "object_events", "publish",
-    "read_audit", "reboot", "resume_heartbeats", "set_node_ready", "stop_heartbeats", "wait_nodes_usable",
-    "wait_until",
+    "read_audit", "read_topic", "reboot", "resume_heartbeats", "set_node_ready", "stop_heartbeats",
+    "wait_nodes_usable", "wait_until", "webhook_receiver",
 ]
 
 
@@ -82,6 +83,11 @@ async def publish(bootstrap: str, topic: str, records: Iterable[Any]) -> None:
 
 async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[RemediationRecord]:
     """Every record on the audit topic so far (no group: reads from the beginning)."""
+    return [RemediationRecord.from_bytes(m.value) for m in await read_topic(bootstrap, topic, settle_s)]
+
+
+async def read_topic(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[Any]:
+    """Every Kafka record on a topic so far, as the consumer gives them (headers too); no group, from the beginning."""
     consumer = kafka_clients.consumer(bootstrap=bootstrap, enable_auto_commit=False)
     await consumer.start()
     try:
@@ -93,7 +99,7 @@ async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[
         consumer.assign(tps)
         await consumer.seek_to_beginning(*tps)
         end = await consumer.end_offsets(tps)
-        out: list[RemediationRecord] = []
+        out: list[Any] = []
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             positions = [await consumer.position(tp) for tp in tps]
@@ -101,10 +107,28 @@ async def read_audit(bootstrap: str, topic: str, settle_s: float = 1.0) -> list[
                 break
             batch = await consumer.getmany(timeout_ms=int(settle_s * 1000))
             for messages in batch.values():
-                out += [RemediationRecord.from_bytes(m.value) for m in messages]
+                out += messages
         return out
     finally:
         await consumer.stop()
+
+
+@contextlib.asynccontextmanager
+async def webhook_receiver(path: str, handler: Callable[[Any], Awaitable[Any]]) -> AsyncIterator[str]:
+    """An HTTP server on loopback for a test's webhook (aiohttp ``handler`` for POST ``path``); yields its URL."""
+    from aiohttp import web
+
+    app = web.Application()
+    app.router.add_post(path, handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}{path}"
+    finally:
+        await runner.cleanup()
 
 
 async def wait_until(

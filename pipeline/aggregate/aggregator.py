@@ -28,6 +28,7 @@ from pipeline.aggregate.rules import (
     KERNEL_KINDS,
     XID_KINDS,
     Output,
+    cancel,
     close_quiet,
     escalated_severity,
     expire,
@@ -186,6 +187,10 @@ class Aggregator:
             if signal is not None:
                 state.fabric_emitted[signal.fault_class] = event_ts
                 signals.append(signal)
+        if event.kind is FaultKind.XID and (codes := self.catalog.cancels(event.code)):
+            closed = cancel(state, event, codes, event_signature(event), event.name or f"Xid {event.code}", now)
+            if closed:  # it ends an open fault: that is all it says (no incident of its own)
+                return state, outputs + closed
         if event.kind is FaultKind.HEALTH_CHECK:
             outputs += self._health_check(state, event, now)
             return state, outputs

@@ -7,7 +7,8 @@ delegates lives here, as pure functions of a ``pipeline.aggregate.state.NodeStat
 - escalation: ``track_bursts`` counts bursts of a sticky or repeating signature inside the escalation
   window and says when the action goes up (``escalated_severity``, ``max_severity``);
 - recovery: ``observe_boot`` notes a new boot, ``recover_after_reboot`` closes the old boot's
-  incidents once its health checks pass;
+  incidents once its health checks pass; ``cancel`` closes an incident a later code ends (the catalog's
+  ``cancels``: Xid 162 ends Xid 163);
 - transient: ``close_quiet`` closes incidents that need no one once they stayed quiet, ``expire``
   forgets history that can no longer matter.
 
@@ -20,7 +21,7 @@ from __future__ import annotations
 from typing import Literal
 
 from pipeline.aggregate.settings import AggregationSettings
-from pipeline.aggregate.state import BurstTrack, NodeState, OpenIncident, utc
+from pipeline.aggregate.state import BurstTrack, NodeState, OpenIncident, epoch, utc
 from pipeline.detection.catalog import Catalog
 from schemas.records import Action, FaultEvent, FaultKind, NodeIncident, NodeRecovered, Severity
 
@@ -162,6 +163,39 @@ def recover_after_reboot(state: NodeState, now: float, settings: AggregationSett
         outputs.append(recovered(state, inc, "reboot", now, detail))
     state.rebooted = False
     return outputs
+
+
+# -- codes that cancel -----------------------------------------------------------------------
+
+
+def cancel(state: NodeState, event: FaultEvent, codes: frozenset[int], signature: str, name: str, now: float
+           ) -> list[Output]:
+    """Close the node's open incidents of Xid ``codes`` on the event's GPU that a later Xid ends (the catalog's
+    ``cancels``), with the event as their evidence; nothing when none is open (pure).
+
+    Same GPU: both name a PCI address and they agree, or either names none. Later: the event's log time is not
+    before the incident's first line (a line shipped late cannot end a fault it predates).
+    """
+    ts = epoch(event.ts)
+    out: list[Output] = []
+    for group, inc in list(state.incidents.items()):
+        if inc.kind is not FaultKind.XID or inc.code not in codes or ts < inc.first_seen:
+            continue
+        if event.pci and inc.pci and event.pci != inc.pci:
+            continue
+        del state.incidents[group]
+        where = f" on {inc.pci}" if inc.pci else ""
+        out.append(NodeRecovered(
+            incident_id=inc.incident_id,
+            node=state.node,
+            reason="cancelled",
+            boot_id=state.boot_id,
+            recovered_at=utc(now),
+            detail=f"Xid {event.code} ({name}) cancels Xid {inc.code}{where}: {event.line.strip()}"[:1024],
+            cancelled_by=signature,
+            evidence_ids=[event.id],
+        ))
+    return out
 
 
 # -- transient --------------------------------------------------------------------------------

@@ -1,8 +1,13 @@
 """Command output in kubectl's manner, shared by every command that prints rows.
 
-- The default is a table of plain, left-aligned columns separated by three spaces, with upper-case
+- The default is a table laid out as ``kubectl get`` lays out its tables (Go's tabwriter with kubectl's
+  settings: a column is as wide as its widest cell plus three spaces, and at least six), with upper-case
   headers. A cell is never truncated or wrapped, whatever the terminal width and when piped: a
   long node name makes a long line, never two nodes that look alike.
+- Ages are kubectl's (``duration.HumanDuration``): 45s, 5m30s, 12m, 2h15m, 10h, 3d4h, 30d, 2y10d.
+
+Both imitate kubectl, so ``tests/integration/test_kubectl_output.py`` holds them against the real kubectl
+(built with the local control plane) on the same cells and timestamps.
 - ``-o wide`` adds columns; ``-o json`` and ``-o yaml`` print the rows as data (lists stay lists,
   objects stay objects), for scripts.
 
@@ -20,6 +25,8 @@ import click
 
 OUTPUT_FORMATS = ("table", "wide", "json", "yaml")
 COLUMN_GAP = "   "
+# kubectl's tabwriter (k8s.io/cli-runtime printers.GetNewTabWriter): padding 3, minimum cell width 6.
+_MIN_CELL_WIDTH = 6
 
 
 @dataclass(frozen=True)
@@ -42,11 +49,11 @@ def output_option(default: str = "table") -> Callable[[Callable[..., Any]], Call
 def render_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> str:
     """Aligned columns, never truncated; the last column is not padded (no trailing spaces)."""
     table = [[str(h).upper() for h in headers], *[[_one_line(c) for c in row] for row in rows]]
-    widths = [max(len(r[i]) for r in table) for i in range(len(headers))]
+    widths = [max(max(len(r[i]) for r in table) + len(COLUMN_GAP), _MIN_CELL_WIDTH) for i in range(len(headers))]
     lines = []
     for r in table:
         cells = [c.ljust(w) for c, w in zip(r[:-1], widths[:-1], strict=True)] + [r[-1]]
-        lines.append(COLUMN_GAP.join(cells).rstrip())
+        lines.append("".join(cells).rstrip())
     return "\n".join(lines) + "\n"
 
 
@@ -107,17 +114,36 @@ def _print_coloured(text: str) -> None:
 
 
 def age(seconds: float | None) -> str:
-    """kubectl's short age: 45s, 12m, 5h, 3d."""
+    """kubectl's age of something ``seconds`` old (``HumanDuration`` of k8s.io/apimachinery): two units while
+    the larger is small (5m30s, 2h15m, 3d4h, 2y10d), one after; ``<invalid>`` more than a second ahead."""
     if seconds is None:
         return "-"
-    s = max(0, int(seconds))
+    s = int(seconds)
+    if s < -1:
+        return "<invalid>"
     if s < 120:
-        return f"{s}s"
-    if s < 7200:
-        return f"{s // 60}m"
-    if s < 2 * 86400:
-        return f"{s // 3600}h"
-    return f"{s // 86400}d"
+        return f"{max(s, 0)}s"
+    minutes, hours = s // 60, s // 3600
+    days = hours // 24
+    if minutes < 10:
+        return _two(minutes, "m", s % 60, "s")
+    if minutes < 3 * 60:
+        return f"{minutes}m"
+    if hours < 8:
+        return _two(hours, "h", minutes % 60, "m")
+    if hours < 48:
+        return f"{hours}h"
+    if hours < 8 * 24:
+        return _two(days, "d", hours % 24, "h")
+    if days < 2 * 365:
+        return f"{days}d"
+    if days < 8 * 365:
+        return _two(days // 365, "y", days % 365, "d")
+    return f"{days // 365}y"
+
+
+def _two(big: int, big_unit: str, small: int, small_unit: str) -> str:
+    return f"{big}{big_unit}{small}{small_unit}" if small else f"{big}{big_unit}"
 
 
 def joined(values: Sequence[object] | None, sep: str = ",") -> str:

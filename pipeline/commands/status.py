@@ -205,6 +205,7 @@ def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = N
 
     Lists stay lists and objects stay objects (``-o json``); the table joins them for display.
     """
+    from pipeline.actuator import repaircase
     from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION
     from pipeline.actuator.plan import NodeView
 
@@ -261,6 +262,9 @@ def node_rows(nodes: list[dict[str, Any]], breaker: Mapping[str, Any] | None = N
             "applied": {effect: sorted(owners) for effect, owners in sorted(ledger.owned.items())},
             "last_action": view.annotations.get(LAST_ACTION_ANNOTATION),
             "breaker": {"state": "open" if tripped else "closed", "counted": view.name in counted},
+            # Where the node is in the repair loop, and each repair case's history (docs/repair.md).
+            "repair": repaircase.loop_position(ledger),
+            "repairs": repaircase.summary(ledger, now),
         })
     return rows
 
@@ -290,6 +294,7 @@ STATUS_COLUMNS = [
     Column("applied", lambda r: joined(sorted({e.split(":", 1)[0] for e in r["applied"]}))),
     Column("why", _why),
     Column("breaker", lambda r: r["breaker"]["state"] + (",counted" if r["breaker"]["counted"] else "")),
+    Column("repair", lambda r: r.get("repair") or "-"),
     Column("effects", lambda r: joined([_short_effect(e) for e in r["applied"]]), wide_only=True),
     Column("incidents", lambda r: joined([i["id"] for i in r["incidents"]]), wide_only=True),
     Column("steps-done", lambda r: joined(sorted({s for i in r["incidents"] for s in i["done"]})), wide_only=True),
@@ -297,23 +302,51 @@ STATUS_COLUMNS = [
 ]
 
 
+def history_rows(row: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """A node's repair history, one row per step of each case, oldest first (``xidflow status NODE``). Pure."""
+    out = []
+    for case in row.get("repairs") or []:
+        for entry in case.get("history") or []:
+            out.append({"node": row["node"], "case": case["case"], "fault_class": case["fault_class"],
+                        "at": entry.get("at"), "stage": entry.get("stage"), "note": entry.get("note")})
+    return sorted(out, key=lambda r: float(r["at"] or 0))
+
+
+def _clock(epoch: float | None) -> str:
+    return datetime.fromtimestamp(float(epoch)).astimezone().strftime("%Y-%m-%d %H:%M:%S") if epoch else "-"
+
+
+HISTORY_COLUMNS = [
+    Column("time", lambda r: _clock(r["at"])),
+    Column("stage", lambda r: r["stage"] or "-"),
+    Column("class", lambda r: r["fault_class"]),
+    Column("what", lambda r: r["note"] or "-"),
+    Column("case", lambda r: r["case"], wide_only=True),
+]
+
+
 @click.command("status")
+@click.argument("node_name", required=False)
 @kubeconfig_option
 @context_option
 @namespace_option
 @selector_option
 @output_option()
 @click.option("--json", "as_json", is_flag=True, hidden=True, help="Same as -o json.")
-def status(kubeconfig: str | None, context: str | None, namespace: str | None, selector: str | None,
-           output: str, as_json: bool) -> None:
-    """GPU nodes: state, fault, incident age, what xidflow applied and why, and the breaker."""
+def status(node_name: str | None, kubeconfig: str | None, context: str | None, namespace: str | None,
+           selector: str | None, output: str, as_json: bool) -> None:
+    """GPU nodes: state, fault, incident age, what xidflow applied and why, the breaker and where each node is in
+    the repair loop. With NODE_NAME: that node's row and its repair history."""
     from pipeline.actuator.configmap_state import read_json_configmap
 
     settings = _settings(selector, namespace)
     kube = make_kube(resolve_kubeconfig(kubeconfig, context))
 
     async def main() -> list[dict[str, Any]]:
-        nodes = await kube.list_nodes(settings.gpu_node_selector)
+        if node_name:
+            nodes = [await kube.get_node(node_name)]
+        else:
+            nodes = await kube.list_nodes(settings.gpu_node_selector)
         breaker = await read_json_configmap(kube, settings.namespace, settings.breaker_configmap)
         breaker.setdefault("window_seconds", settings.breaker_window_seconds)
         parts[:] = part_rows(await read_json_configmap(kube, settings.namespace, settings.shared_parts_configmap))
@@ -323,6 +356,10 @@ def status(kubeconfig: str | None, context: str | None, namespace: str | None, s
     rows = _run(kube, main)
     output = "json" if as_json else output
     emit(rows, STATUS_COLUMNS, output, empty=f"No GPU nodes match the selector {settings.gpu_node_selector!r}.")
+    if node_name and output in ("table", "wide"):
+        history = history_rows(rows[0])
+        click.echo("")
+        emit(history, HISTORY_COLUMNS, output, empty=f"No repair history on node {node_name}.")
     if parts and output in ("table", "wide"):
         # The parts blamed instead of their nodes, after the node table (JSON rows carry ``shared_parts``).
         click.echo("")
@@ -440,7 +477,8 @@ def _breaker(kubeconfig: str | None, context: str | None, namespace: str | None,
     s = _settings(selector, namespace)
     kube = make_kube(resolve_kubeconfig(kubeconfig, context))
     return Breaker(
-        kube, s.namespace, s.breaker_configmap, s.gpu_node_selector, s.breaker_max_share, s.breaker_window_seconds
+        kube, s.namespace, s.breaker_configmap, s.gpu_node_selector, s.breaker_max_share, s.breaker_window_seconds,
+        max_nodes=s.breaker_max_nodes,
     )
 
 
@@ -448,6 +486,7 @@ BREAKER_COLUMNS = [
     Column("state", lambda r: "open" if r["tripped"] else "closed"),
     Column("quarantined", lambda r: f"{r['quarantined_in_window']}/{r['fleet_size']}"),
     Column("max-share", lambda r: f"{r['max_share']:g}"),
+    Column("max-nodes", lambda r: str(r.get("max_nodes") or "-")),
     Column("window", lambda r: age(r["window_seconds"])),
     Column("reason", lambda r: r["reason"] or "-"),
     Column("reset-by", lambda r: r["reset_by"] or "-", wide_only=True),

@@ -128,6 +128,9 @@ class _Entry(BaseModel):
     problem: Problem | None = None
     xid: int | None = Field(default=None, description="Signals: the Xid code this signal is the same fault as")
     scope: Scope | None = Field(default=None, description="gpu | node; unset: defaults.scope")
+    cancels: tuple[int, ...] = Field(
+        default=(), description="Xid codes whose open incident on the same GPU this code closes (NVIDIA's catalog)"
+    )
     source: str = ""
     note: str = ""
 
@@ -254,6 +257,7 @@ class Catalog:
             raise CatalogError("health_checks: missing required entry 'unknown'")
         # Lookups on the hot path return prebuilt objects instead of constructing one per event.
         self._xid_cls = {code: self._cls(e) for code, e in self._xid.items()}
+        self._cancels = {code: frozenset(e.cancels) for code, e in self._xid.items() if e.cancels}
 
     # -- construction -----------------------------------------------------------------------------
 
@@ -319,6 +323,11 @@ class Catalog:
         """The decision flow of Xid ``code`` (``""`` when its action alone decides)."""
         entry = self._xid.get(code) if code is not None else None
         return entry.workflow if entry is not None else ""
+
+    def cancels(self, code: int | None) -> frozenset[int]:
+        """Xid codes whose open incident Xid ``code`` closes (the row's ``cancels``: NVIDIA says the later code
+        ends the earlier one's condition); empty for most codes."""
+        return self._cancels.get(code, frozenset()) if code is not None else frozenset()
 
     def codes_with_workflow(self, workflow: str) -> frozenset[int]:
         return frozenset(code for code, entry in self._xid.items() if entry.workflow == workflow)

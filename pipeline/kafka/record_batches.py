@@ -49,8 +49,10 @@ class RecordBatches:
         self.deliveries: list[asyncio.Future[Any]] = []
         """One per record batch (or record sent alone) handed over: the broker's acknowledgements."""
 
-    async def add(self, topic: str, key: bytes | None, value: bytes) -> None:
-        """Append one record for ``topic`` (partitioned by ``key``); ``send_all`` hands it over."""
+    async def add(
+        self, topic: str, key: bytes | None, value: bytes, headers: Sequence[tuple[str, bytes]] = ()
+    ) -> None:
+        """Append one record for ``topic`` (partitioned by ``key``, with ``headers``); ``send_all`` hands it over."""
         partitions = self._partitions.get(topic)
         if partitions is None:
             # As ``send`` lists them for its partitioner (waits for the topic's metadata the first time).
@@ -58,18 +60,21 @@ class RecordBatches:
         # The partitioner's third argument (available partitions) only matters for a record without a key.
         partition = self._partitioner(key, partitions, partitions)
         tp = (topic, partition)
-        if DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, []) > self._limit:
+        headers = list(headers)
+        if DefaultRecordBatchBuilder.estimate_size_in_bytes(key, value, headers) > self._limit:
             # Alone, as ``send`` would make it its own batch anyway; what its partition has before it goes first.
             await self._send(tp)
-            self.deliveries.append(await self._producer.send(topic, value, key=key, partition=partition))
+            self.deliveries.append(
+                await self._producer.send(topic, value, key=key, partition=partition, headers=headers or None)
+            )
             return
         batch = self._open.get(tp)
         if batch is None:
             batch = self._open[tp] = self._producer.create_batch()
-        if batch.append(timestamp=None, key=key, value=value) is None:  # full (and closed by aiokafka)
+        if batch.append(timestamp=None, key=key, value=value, headers=headers) is None:  # full (and closed)
             self._full.setdefault(tp, []).append(batch)
             batch = self._open[tp] = self._producer.create_batch()
-            batch.append(timestamp=None, key=key, value=value)  # fits an empty batch (checked above)
+            batch.append(timestamp=None, key=key, value=value, headers=headers)  # fits an empty batch (above)
 
     async def send_all(self) -> list[asyncio.Future[Any]]:
         """Hand over everything gathered; returns ``deliveries``. Partitions go side by side, each in order."""

@@ -273,7 +273,7 @@ class ControlPlane:
                  "--unsafe-no-fsync", "--log-level=warn", "--quota-backend-bytes=2147483648"],
                 etcd_log, cwd=self.root,
             )
-        procs.wait_until(lambda: procs.port_open(self.etcd_port), 30, "etcd", self.etcd_pid, etcd_log)
+        procs.wait_until(lambda: procs.port_open(self.etcd_port), 30, "etcd", self.etcd_pid, etcd_log, self.log)
 
     def _start_apiserver(self, dist: ControlPlaneDist, timeout: float) -> None:
         api_log = self.log_file("kube-apiserver")
@@ -297,7 +297,7 @@ class ControlPlane:
              *DRA_FLAGS],
             api_log, cwd=self.root,
         )
-        procs.wait_until(self._api_ready, timeout, "kube-apiserver", self.api_pid, api_log)
+        procs.wait_until(self._api_ready, timeout, "kube-apiserver", self.api_pid, api_log, self.log)
 
     def _grant_kwok(self, kwok_dist: KwokDist) -> None:
         """Bind the ``kwok-controller`` user to the ClusterRole of KWOK's module (created or updated)."""
@@ -344,7 +344,7 @@ class ControlPlane:
             setattr(self, self._pid_field(component), procs.spawn(cmd, self.log_file(component), cwd=self.root))
         for component in commands:
             procs.wait_until(self._health_check(component), timeout, component,
-                             getattr(self, self._pid_field(component)), self.log_file(component))
+                             getattr(self, self._pid_field(component)), self.log_file(component), self.log)
 
     @staticmethod
     def _pid_field(component: str) -> str:

@@ -2,7 +2,7 @@
 
 - Kafka: the broker's runtime closure resolved by Maven from ``kafka/pom.xml`` into
   ``<cache>/kafka/<version>-<pomhash>/libs``.
-- kube-apiserver, kube-controller-manager, kube-scheduler and etcd: one Go build of ``gobuild/go.mod``
+- kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kubectl: one Go build of ``gobuild/go.mod``
   (published modules only; ``gobuild/regen.sh`` writes it) into ``<cache>/controlplane/<k8s-version>-<modhash>/``.
 - KWOK (the node and pod simulator): built by Go from ``kwokbuild/go.mod`` into
   ``<cache>/kwok/<version>-<modhash>/``, with the module's own ``kustomize/stage`` and ``kustomize/rbac``
@@ -231,16 +231,18 @@ class ControlPlaneDist:
     etcd: Path
     kube_controller_manager: Path
     kube_scheduler: Path
+    kubectl: Path  # not run by `local up`: the tests hold xidflow's kubectl-style output against the real one
 
     @property
     def binaries(self) -> tuple[Path, ...]:
-        return (self.kube_apiserver, self.etcd, self.kube_controller_manager, self.kube_scheduler)
+        return (self.kube_apiserver, self.etcd, self.kube_controller_manager, self.kube_scheduler, self.kubectl)
 
 
 CONTROLPLANE_PACKAGES = (
     "k8s.io/kubernetes/cmd/kube-apiserver",
     "k8s.io/kubernetes/cmd/kube-controller-manager",
     "k8s.io/kubernetes/cmd/kube-scheduler",
+    "k8s.io/kubernetes/cmd/kubectl",
     "go.etcd.io/etcd/server/v3",
 )
 """What the one Go build of ``gobuild/go.mod`` compiles (its ``tool`` lines; ``gobuild/regen.sh`` writes both)."""
@@ -272,19 +274,19 @@ def build_pinned_go(target: Path, stamp: str, files: Sequence[str], gomod: Path,
 
 
 def ensure_controlplane(log: Log = print) -> ControlPlaneDist:
-    """Build kube-apiserver, kube-controller-manager, kube-scheduler and etcd with Go, in one build from
-    published modules (cached by version)."""
+    """Build kube-apiserver, kube-controller-manager, kube-scheduler, etcd and kubectl with Go, in one build
+    from published modules (cached by version)."""
     version = kubernetes_version()
     target = controlplane_target()
     dist = ControlPlaneDist(version, target / "kube-apiserver", target / "etcd", target / "kube-controller-manager",
-                            target / "kube-scheduler")
+                            target / "kube-scheduler", target / "kubectl")
 
     def build(go: str, module: Path, staging: Path) -> None:
         go_build(go, ["-trimpath", "-ldflags=-s -w", "-o", str(staging) + "/", *CONTROLPLANE_PACKAGES], module,
-                 f"building the control plane {version} (kube-apiserver, kube-controller-manager, kube-scheduler) "
-                 "and etcd with Go (minutes on a cold cache)", log, go_env(), target)
+                 f"building the control plane {version} (kube-apiserver, kube-controller-manager, kube-scheduler), "
+                 "etcd and kubectl with Go (minutes on a cold cache)", log, go_env(), target)
         (staging / "server").rename(staging / dist.etcd.name)
-        log(f"kube-apiserver, kube-controller-manager, kube-scheduler {version} and etcd built for {target}")
+        log(f"kube-apiserver, kube-controller-manager, kube-scheduler, kubectl {version} and etcd built for {target}")
 
     build_pinned_go(target, version, [b.name for b in dist.binaries], GOMOD, GOSUM, build)
     return dist

@@ -418,7 +418,7 @@ class KafkaCluster:
             last = text.rsplit("=== xidflow start", 1)[-1]
             return STARTED_MARK in last and procs.port_open(node.port)
 
-        procs.wait_until(ready, timeout, f"Kafka node {node.node_id}", node.pid, log_file)
+        procs.wait_until(ready, timeout, f"Kafka node {node.node_id}", node.pid, log_file, self.log)
 
     def stop_broker(self, node_id: int, hard: bool = False) -> None:
         """Stop one node (SIGTERM, or SIGKILL with ``hard``) to simulate a broker failure."""

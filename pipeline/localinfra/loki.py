@@ -193,7 +193,7 @@ class LokiServer:
         config = self.root / "loki.yaml"
         config.write_text(loki_config(self.root, self.http_port, self.grpc_port))
         self.pid = procs.spawn([str(binary), f"-config.file={config}", "-target=all"], self.log_file, cwd=self.root)
-        procs.wait_until(self._ready, timeout, "Loki", self.pid, self.log_file)
+        procs.wait_until(self._ready, timeout, "Loki", self.pid, self.log_file, self.log)
         return self
 
     def stop(self) -> None:

@@ -139,16 +139,30 @@ def stop(pid: int | None, timeout: float = 20.0, sig: int = signal.SIGTERM, expe
         time.sleep(0.05)
 
 
+PROGRESS_EVERY_S = 10.0
+"""A start-up that takes longer says so this often (a cold machine's first ``local up``)."""
+
+
 def wait_until(
-    check: Callable[[], bool], timeout: float, what: str, pid: int | None, log_file: Path
+    check: Callable[[], bool], timeout: float, what: str, pid: int | None, log_file: Path,
+    log: Callable[[str], None] | None = None,
 ) -> None:
-    """Poll ``check`` until true; fail early (with the log's tail) if the process died."""
-    deadline = time.monotonic() + timeout
+    """Poll ``check`` until true; fail early (with the log's tail) if the process died.
+
+    With ``log``, a wait past ``PROGRESS_EVERY_S`` says what it waits for, for how long so far and where the
+    process logs, every ``PROGRESS_EVERY_S`` seconds, so no start-up is a silent stretch."""
+    start = time.monotonic()
+    deadline = start + timeout
+    next_report = start + PROGRESS_EVERY_S
     while time.monotonic() < deadline:
         if check():
             return
         if pid is not None and not alive(pid):
             raise StartError(f"{what} exited during start-up; last log lines:\n{tail(log_file)}")
+        now = time.monotonic()
+        if log is not None and now >= next_report:
+            log(f"  ... waiting for {what} to be ready: {now - start:.0f}s of at most {timeout:.0f}s (log: {log_file})")
+            next_report = now + PROGRESS_EVERY_S
         time.sleep(0.2)
     raise StartError(f"{what} not ready after {timeout:.0f}s; last log lines:\n{tail(log_file)}")
 

@@ -108,7 +108,7 @@ class ReplayActuator:
         s = self.settings
         decision = decide_admissions(
             self.breaker, [node], self.fleet_size, s.breaker_max_share, s.breaker_window_seconds, now,
-            self.quarantined(),
+            self.quarantined(), max_nodes=s.breaker_max_nodes,
         )[node]
         if decision.allowed:
             return None

@@ -23,6 +23,8 @@ SETTINGS_CLASSES: tuple[tuple[str, str, str], ...] = (
     ("pipeline.runtime.logconfig", "LogSettings", "Logging (every process; flags --log-level, --log-format)"),
     ("pipeline.runtime.heartbeat", "HealthSettings", "Liveness endpoint served by the event loop (every process)"),
     ("pipeline.runtime.settings", "ConsumerGroupSettings", "Consumer-group membership (worker, actuator)"),
+    ("pipeline.kafka.cloudevents", "CloudEventsSettings",
+     "CloudEvents headers of incidents and audit records (worker, actuator)"),
     ("pipeline.runtime.gcpolicy", "GcSettings", "Garbage collector thresholds (worker, actuator)"),
     ("pipeline.runtime.supervisor", "SupervisorSettings",
      "Warm supervisor that replaces a crashed child (worker, actuator)"),

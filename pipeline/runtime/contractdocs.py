@@ -204,7 +204,8 @@ _FIELD_NOTES = {
     "schema_version": "Version of the record's schema (1).",
     "record_id": "Deterministic per (node, flow, action, outcome): a redelivery repeats the id.",
     "node": "The node (or `<label>=<value>` for a shared part).",
-    "incident_id": "The flow: the incident id, or `req:<request id>` for a rescue request.",
+    "incident_id": "The flow: the incident id, `req:<request id>` for a rescue request, or a repair case's own flow "
+    "or id (`<case>-<n>`, `<incident>-rev<n>`, the case id of `return-to-service` and `hand-back`; docs/repair.md).",
     "action": "What was decided or done (below).",
     "outcome": "How it went (below).",
     "reason": "Why, in words.",

@@ -13,7 +13,7 @@ import pytest
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION
 from pipeline.actuator.policy import load_yaml_text
-from pipeline.actuator.testing import make_incident, reboot, wait_until
+from pipeline.actuator.testing import make_incident, reboot, wait_until, webhook_receiver
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env, outcomes
 from tests.integration.workloads import (
@@ -209,24 +209,12 @@ async def test_reboot_by_webhook_sends_once_per_flow_and_detects_the_new_boot(en
         asyncio.get_running_loop().create_task(reboot_node_later(env.kube, name, 0.2, "boot-w"))
         return web.json_response({"ok": True}, status=202)
 
-    app = web.Application()
-    app.router.add_post("/reboot", receive)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
+    async with webhook_receiver("/reboot", receive) as url:
         act = await env.actuator(
-            policy(
-                "[{name: cordon}, {name: reboot, hook: webhook, timeout: 20,"
-                f" webhookUrl: 'http://127.0.0.1:{port}/reboot'}}]"
-            )
+            policy(f"[{{name: cordon}}, {{name: reboot, hook: webhook, timeout: 20, webhookUrl: '{url}'}}]")
         )
         await act.engine.handle(make_incident(name, "inc-wh"))
         await act.engine.handle(make_incident(name, "inc-wh"))  # redelivered: no second call
-    finally:
-        await runner.cleanup()
     assert [key for key, _ in calls] == ["inc-wh"]
     assert calls[0][1]["node"] == name and calls[0][1]["bootId"] == "boot-1"
     reboot = [r for r in await env.audit() if r.node == name and r.action == "reboot"]

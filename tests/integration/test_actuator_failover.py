@@ -28,7 +28,8 @@ import pytest
 import yaml
 
 from pipeline.actuator.configmap_state import read_json_configmap
-from pipeline.actuator.effects import DEFAULT_RESET_JOB
+from pipeline.actuator.effects import DEFAULT_DIAGNOSTICS_JOB, DEFAULT_RESET_JOB
+from pipeline.actuator.machines import held_job
 from pipeline.actuator.testing import make_incident, node_events, publish, reboot, wait_until
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL
 from schemas.records import Outcome
@@ -258,11 +259,9 @@ async def test_survivor_finishes_a_reboot_whose_replica_was_killed(env: Env, kub
         reps.stop()
 
 
-def held_reset_template(path: Path) -> Path:
-    """The default GPU-reset Job whose pod KWOK keeps running (the reset takes as long as the test says)."""
-    job = yaml.safe_load(DEFAULT_RESET_JOB)
-    job["spec"]["template"].setdefault("metadata", {}).setdefault("labels", {})[POD_COMPLETE_LABEL] = "false"
-    path.write_text(yaml.safe_dump(job))
+def held_template(path: Path, template: str) -> Path:
+    """A built-in hook Job whose pod KWOK keeps running (the reset, the diagnostics take as long as the test says)."""
+    path.write_text(yaml.safe_dump(held_job(template)))
     return path
 
 
@@ -275,27 +274,46 @@ async def finish_job_pod(env: Env, job: str) -> None:
                          {"metadata": {"labels": {POD_COMPLETE_LABEL: None}}})
 
 
-async def test_survivor_finishes_a_gpu_reset_whose_replica_was_killed(
-    env: Env, kubeconfig: str, tmp_path: Path
+HELD_HOOKS = {
+    "resetGpu": ("XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE", DEFAULT_RESET_JOB),
+    "diagnose": ("XIDFLOW_ACTUATOR_DIAGNOSTICS_JOB_TEMPLATE", DEFAULT_DIAGNOSTICS_JOB),
+}
+"""Steps that run a hook Job and wait for it: the setting of its template, the built-in template."""
+
+
+@pytest.mark.parametrize("step", sorted(HELD_HOOKS))
+async def test_survivor_finishes_a_hook_job_whose_replica_was_killed(
+    env: Env, kubeconfig: str, tmp_path: Path, step: str
 ) -> None:
     (node,) = await env.make_nodes(1)
-    policy = write_policy(tmp_path / "p.yaml", "[{name: quarantine}, {name: resetGpu, timeout: 600}]")
-    held = held_reset_template(tmp_path / "reset-job.yaml")
-    reps = Replicas(env, kubeconfig, policy, {"XIDFLOW_ACTUATOR_RESET_JOB_TEMPLATE": str(held)})
+    flow = f"inc-kill-{step.lower()}"
+    policy = write_policy(tmp_path / "p.yaml", f"[{{name: quarantine}}, {{name: {step}, timeout: 600}}]")
+    setting, template = HELD_HOOKS[step]
+    reps = Replicas(env, kubeconfig, policy, {setting: str(held_template(tmp_path / "job.yaml", template))})
     try:
         for worker in ("rep-a", "rep-b"):
             reps.start(worker, tmp_path)
-        await publish(env.bootstrap, env.topics.name("incidents"), [make_incident(node, "inc-kill-reset")])
-        dead, survivor, killed = await kill_the_holder(env, reps, node, "inc-kill-reset", "resetGpu")
-        await wait_resumed(env, reps, node, "inc-kill-reset", "resetGpu", survivor, killed)
-        jobs = await env.kube._call(
-            env.kube.batch.list_namespaced_job, env.namespace, label_selector="xidflow.dev/flow=inc-kill-reset"
-        )
-        assert len(jobs["items"]) == 1  # the survivor found the Job, made no second one
-        await finish_job_pod(env, jobs["items"][0]["metadata"]["name"])
-        entry = await wait_finished(env, reps, node, "inc-kill-reset")
-        assert entry["status"] == "done" and entry["log"]["resetGpu"]["by"] == survivor
-        await assert_nothing_doubled(env, node)
+        await publish(env.bootstrap, env.topics.name("incidents"), [make_incident(node, flow)])
+        dead, survivor, killed = await kill_the_holder(env, reps, node, flow, step)
+        await wait_resumed(env, reps, node, flow, step, survivor, killed)
+        jobs = await env.kube._call(env.kube.batch.list_namespaced_job, env.namespace,
+                                    label_selector=f"xidflow.dev/flow={flow}")
+        assert len(jobs["items"]) == 1  # the survivor follows the dead replica's Job, makes no second one
+        await finish_job_pod(env, jobs["items"][0]["metadata"]["name"])  # the reset, the diagnostics pass
+        entry = await wait_finished(env, reps, node, flow)
+        assert entry["status"] == "done" and entry["log"][step]["by"] == survivor
+        if step == "diagnose":  # the gate passed: the node returns, once
+
+            async def back() -> bool:
+                reps.alive()
+                return not (await env.node(node))["spec"].get("unschedulable")
+
+            await wait_until(back, 60, what="back in service after the gate's pass")
+            case = (await env.ledger(node)).repairs["GpuFellOffBus"]
+            assert case["stage"] == "returned" and [d["verdict"] for d in case["diagnostics"]] == ["pass"]
+            assert len(await node_events(env.kube, node)) == 1
+        else:
+            await assert_nothing_doubled(env, node)
     finally:
         reps.stop()
 

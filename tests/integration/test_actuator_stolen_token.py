@@ -180,6 +180,11 @@ async def test_a_stolen_token_creates_only_documented_hook_jobs_on_quarantined_n
         "the reboot hook as the namespace's default account": variant(reboot, lambda j, p: p.update(
             serviceAccountName="default", automountServiceAccountToken=True)),
         "the reboot hook left to the scheduler (no nodeName)": variant(reboot, lambda j, p: p.pop("nodeName")),
+        "the diagnostics hook on a node in service": hook_job(home, nodes["plain"], effects.DEFAULT_DIAGNOSTICS_JOB,
+                                                              "xidflow-diag-x"),
+        "the diagnostics hook's image, another script": variant(
+            hook_job(home, nodes["tainted"], effects.DEFAULT_DIAGNOSTICS_JOB, "xidflow-diag-x"),
+            lambda j, p: container(p).update(command=["sh", "-c", "nsenter -t 1 -a -- sh"])),
     }
     answers = {what: await answer(dry_job(job)) for what, job in attempts.items()}
     for what, said in answers.items():
@@ -190,8 +195,11 @@ async def test_a_stolen_token_creates_only_documented_hook_jobs_on_quarantined_n
     # What the actuator itself makes, on a node it quarantined: admitted.
     reset = hook_job(home, nodes["tainted"], effects.DEFAULT_RESET_JOB, "xidflow-gpureset-x")
     container(reset["spec"]["template"]["spec"])["env"] = [{"name": "XIDFLOW_GPU_PCI", "value": "0000:4e:00.0"}]
+    diagnostics = hook_job(home, nodes["tainted"], effects.DEFAULT_DIAGNOSTICS_JOB, "xidflow-diag-x")
+    diagnostics["spec"]["activeDeadlineSeconds"] = 1800  # the gate's deadline
     assert await answer(dry_job(reboot)) == ADMITTED
     assert await answer(dry_job(reset)) == ADMITTED
+    assert await answer(dry_job(diagnostics)) == ADMITTED
     # RBAC: still only the home namespace.
     with pytest.raises(Forbidden):
         await sa._call(sa.batch.create_namespaced_job, "default", reboot, dry_run="All")

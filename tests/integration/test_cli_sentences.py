@@ -49,10 +49,11 @@ def test_status_at_80_columns_piped_shows_four_long_names_whole(
         assert lines[0].split()[:7] == ["NODE", "STATUS", "FAULT", "AGE", "APPLIED", "WHY", "BREAKER"]
         assert [line.split()[0] for line in lines[1:]] == names  # whole, distinct, one line each
         first = lines[1].split()
-        assert first[2:4] == ["xid", "79"] and "cordon" in first[5] and first[-1].startswith("closed")
+        assert first[2:4] == ["xid", "79"] and "cordon" in first[5] and first[-2].startswith("closed")
+        assert first[-1] == "-"  # REPAIR: the default rule has no repair loop
         third = lines[3].split()
         assert third[2:4] == ["xid", "48"]
-        assert lines[2].split()[2:] == ["-", "-", "-", "-", "closed"]
+        assert lines[2].split()[2:] == ["-", "-", "-", "-", "closed", "-"]
 
         wide = runner.invoke(cli, ["status", "-o", "wide"], catch_exceptions=False).stdout
         assert "inc-long-1" in wide and "LAST-ACTION" in wide

@@ -116,6 +116,8 @@ class Pipeline:
         self.readers: dict[str, AIOKafkaConsumer] = {}
         self.seen: dict[str, list[dict]] = {"incidents": [], "deadletter": [], "fault_events": []}
         self.sentinels: dict[str, int] = {}
+        self.headers: dict[tuple[str, int, int], dict[str, bytes]] = {}
+        """Each record's Kafka headers, by (topic field, partition, offset)."""
 
     async def __aenter__(self) -> Pipeline:
         self.producer = AIOKafkaProducer(bootstrap_servers=self.bootstrap, acks="all", linger_ms=1)
@@ -160,6 +162,7 @@ class Pipeline:
         for field, reader in self.readers.items():
             for records in (await reader.getmany(timeout_ms=100)).values():
                 self.seen[field] += [{**_json_or_raw(r.value), "_at": (r.partition, r.offset)} for r in records]
+                self.headers.update({(field, r.partition, r.offset): dict(r.headers or ()) for r in records})
 
     def incidents(self, node: str) -> list[dict]:
         return [r for r in self.seen["incidents"] if r.get("node") == node]
@@ -380,6 +383,31 @@ async def test_recovery_after_reboot_with_passing_checks_and_after_a_quiet_perio
         )
         reasons = {r["incident_id"]: r["reason"] for r in pipe.incidents(node) if r.get("type") == "recovered"}
     assert reasons == {by_code[31]: "quiet", by_code[79]: "reboot"}
+
+
+async def test_a_later_code_that_cancels_closes_the_incident_with_its_evidence_and_cloudevents_headers(
+    shared_worker: tuple[str, str],
+) -> None:
+    bootstrap, prefix = shared_worker
+    node = node_name("cancel")
+    async with Pipeline(bootstrap, prefix) as pipe:
+        # NVIDIA's catalog: power smoothing disengaged (163), then re-engaged (162) on the same GPU.
+        await pipe.kernel(node, XID.format(bus="4e", code=163, text="Power Smoothing HW Circuitry disengaged"), T0)
+        await pipe.kernel(node, XID.format(bus="4e", code=162, text="Power Smoothing HW Circuitry reengaged"), T0 + 1)
+        await pipe.wait_for(lambda: any(r.get("type") == "recovered" for r in pipe.incidents(node)), 30, "cancel")
+        records = pipe.incidents(node)
+        events = [e for e in pipe.seen["fault_events"] if e.get("node") == node and e.get("code") == 162]
+    (opened,) = [r for r in records if r.get("type") == "incident"]  # 162 opened nothing of its own
+    (closed,) = [r for r in records if r.get("type") == "recovered"]
+    assert opened["code"] == 163 and closed["incident_id"] == opened["incident_id"]
+    assert closed["reason"] == "cancelled" and closed["cancelled_by"] == "xid:162:0000:4e:00.0"
+    assert closed["evidence_ids"] == [events[0]["id"]] and "PSHC_REENGAGED" in closed["detail"]
+    for record, kind, event_id in ((opened, "incident", f"{opened['incident_id']}.0"),
+                                   (closed, "recovered", f"{opened['incident_id']}.recovered")):
+        headers = pipe.headers[("incidents", *record["_at"])]
+        assert headers["ce_specversion"] == b"1.0" and headers["ce_type"] == f"dev.xidflow.{kind}.v1".encode()
+        assert headers["ce_id"] == event_id.encode() and headers["ce_subject"] == node.encode()
+        assert headers["ce_source"] == b"/xidflow/aggregation" and headers["content-type"] == b"application/json"
 
 
 async def test_malformed_input_goes_to_the_dead_letter_topic_and_the_worker_lives(

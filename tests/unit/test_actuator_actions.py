@@ -45,8 +45,10 @@ def test_every_action_is_one_registered_module_with_a_runner_for_its_kind() -> N
             assert action.run is not None and action.change is None
         else:
             assert action.expand is not None
-    assert actions.names(needs_claim=True) == {"drain", "reboot", "resetGpu", "enableWarmStandby"}
+    assert actions.names(needs_claim=True) == {"drain", "reboot", "resetGpu", "diagnose", "enableWarmStandby"}
     assert actions.names(disruptive=True) == {"drain", "reboot", "resetGpu"}
+    assert actions.names(repairs=True) == {"reboot", "resetGpu"}
+    assert actions.names(uses_repair_budget=True) == {"drain", "reboot", "resetGpu", "diagnose"}
     assert actions.names(quarantining=True) == {"cordon", "taint"}
 
 

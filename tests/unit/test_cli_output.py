@@ -73,14 +73,15 @@ def test_every_long_node_name_is_whole_and_on_its_own_line(output: str) -> None:
 def test_table_shows_fault_age_what_was_applied_why_and_the_breaker() -> None:
     line = render_rows(rows(), STATUS_COLUMNS, "table").splitlines()[1].split()
     assert line == [PREFIX + "0001", "Ready,SchedulingDisabled", "xid", "79", "10m", "condition,cordon,taint",
-                    "RESTART_BM", "open,counted"]
+                    "RESTART_BM", "open,counted", "-"]  # no repair case: the rule has no repair loop
     healthy = render_rows(rows(), STATUS_COLUMNS, "table").splitlines()[3].split()
-    assert healthy == [PREFIX + "0003", "Ready", "-", "-", "-", "-", "open"]
+    assert healthy == [PREFIX + "0003", "Ready", "-", "-", "-", "-", "open", "-"]
 
 
 def test_wide_adds_effects_incidents_and_last_action() -> None:
     text = render_rows(rows(), STATUS_COLUMNS, "wide")
-    assert text.splitlines()[0].split()[-5:] == ["BREAKER", "EFFECTS", "INCIDENTS", "STEPS-DONE", "LAST-ACTION"]
+    assert text.splitlines()[0].split()[-6:] == ["BREAKER", "REPAIR", "EFFECTS", "INCIDENTS", "STEPS-DONE",
+                                                 "LAST-ACTION"]
     assert "condition/GpuEcc,cordon,taint/NoSchedule" in text and "9f1e0c1d2a3b4c5d6e7f81" in text
 
 
@@ -108,15 +109,22 @@ def test_render_table_never_truncates_or_wraps_and_keeps_cells_on_one_line() -> 
     assert text.splitlines() == ["A" + " " * 302 + "B", long + "   multi line", "-" + " " * 302 + "z"]
 
 
-def test_ages_are_kubectl_short() -> None:
-    assert [age(s) for s in (None, 5, 119, 600, 7199, 7200, 3 * 86400)] == ["-", "5s", "119s", "10m", "119m", "2h",
-                                                                          "3d"]
+def test_ages_are_kubectls() -> None:
+    """kubectl's HumanDuration (the real kubectl is asked in tests/integration/test_kubectl_output.py)."""
+    cases = {None: "-", -5: "<invalid>", -1: "0s", 5: "5s", 119: "119s", 120: "2m", 330: "5m30s", 600: "10m",
+             7199: "119m", 7200: "120m", 10_800: "3h", 11_700: "3h15m", 28_800: "8h", 3 * 86400: "3d",
+             3 * 86400 + 7200: "3d2h", 8 * 86400: "8d", 800 * 86400: "2y70d", 9 * 365 * 86400: "9y"}
+    assert {s: age(s) for s in cases} == cases
+
+
+def test_narrow_columns_are_six_wide_as_kubectls() -> None:
+    assert render_table(["n", "id"], [["a", "1"]]) == "N     ID\na     1\n"
 
 
 def test_columns_marked_wide_only_show_in_wide_only() -> None:
     cols = [Column("a", lambda r: r["a"]), Column("b", lambda r: r["b"], wide_only=True)]
     assert render_rows([{"a": "1", "b": "2"}], cols, "table") == "A\n1\n"
-    assert render_rows([{"a": "1", "b": "2"}], cols, "wide") == "A   B\n1   2\n"
+    assert render_rows([{"a": "1", "b": "2"}], cols, "wide") == "A     B\n1     2\n"
 
 
 KERNEL = (

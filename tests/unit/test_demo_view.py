@@ -127,7 +127,7 @@ def test_live_view_has_one_whole_line_per_node_with_its_state_and_taint(width: i
         if name in (NODES[1], NODES[2], NODES[3], NODES[5]):
             assert row[-1] == TAINT
     # The fault, the age, short ids; nothing of the old screen's cut-off ids or timestamps.
-    assert line_of(text, NODES[1])[0].split()[2:5] == ["xid", "79", "3m"]
+    assert line_of(text, NODES[1])[0].split()[2:5] == ["xid", "79", "3m20s"]
     assert line_of(text, NODES[2])[0].split()[2:5] == ["sxid", "24007", "75s"]
     assert line_of(text, NODES[3])[0].split()[2:5] == ["xid", "79", "12s"]  # the three-line fallen-off-bus form
     assert re.search(r"\b1b2c3d4e$", text, re.M) and "1b2c3d4e5" not in text

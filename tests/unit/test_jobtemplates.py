@@ -88,7 +88,8 @@ def test_a_hook_runs_one_pod_once(change: dict[str, int], field: str) -> None:
 
 
 def test_the_built_in_hooks_are_the_documented_ones_pinned_by_digest() -> None:
-    for template, (image, command) in zip((effects.DEFAULT_REBOOT_JOB, effects.DEFAULT_RESET_JOB),
+    for template, (image, command) in zip((effects.DEFAULT_REBOOT_JOB, effects.DEFAULT_RESET_JOB,
+                                           effects.DEFAULT_DIAGNOSTICS_JOB),
                                           effects.DOCUMENTED_HOOKS, strict=True):
         [container] = yaml.safe_load(template)["spec"]["template"]["spec"]["containers"]
         assert (container["image"], tuple(container["command"])) == (image, command)

@@ -64,6 +64,10 @@ def test_the_install_steps_are_the_real_installers() -> None:
     assert runs == [install.ensure_kafka, install.ensure_controlplane, install.ensure_kwok]
 
 
+# What a complete control-plane cache entry holds (one Go build; the test fails at once if this falls behind).
+CONTROLPLANE_BINARIES = ("kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler", "kubectl")
+
+
 def test_local_install_with_a_warm_cache_reports_every_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # A cache whose Kafka, control-plane and KWOK entries are complete: those installers return at once (what a
     # second run does). Only those three steps run here, whatever steps are added later; a cache entry this
@@ -80,8 +84,7 @@ def test_local_install_with_a_warm_cache_reports_every_step(tmp_path: Path, monk
     kwok_dir = tmp_path / "kwok" / f"{install.kwok_version()}-{install._digest(install.KWOK_GOMOD, install.KWOK_GOSUM)}"
     for step_dir, parts in (
         (tmp_path / "kafka" / f"{install.kafka_version()}-{install._digest(install.POM)}", ["libs"]),
-        (install.controlplane_target(),
-         ["kube-apiserver", "etcd", "kube-controller-manager", "kube-scheduler"]),
+        (install.controlplane_target(), list(CONTROLPLANE_BINARIES)),
         (kwok_dir, ["kwok", *(f"module/{d}" for d in install.KWOK_MODULE_DIRS)]),
     ):
         for part in parts:

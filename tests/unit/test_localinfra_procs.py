@@ -4,6 +4,9 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
+
+import pytest
 
 from pipeline.localinfra import procs
 
@@ -47,3 +50,15 @@ def test_free_ports_are_chosen_below_the_ephemeral_range_and_free(tmp_path) -> N
     assert procs.ephemeral_range(unreadable) == (32768, 60999)
     (tmp_path / "range").write_text("40000\t50000\n")
     assert procs.ephemeral_range(tmp_path / "range") == (40000, 50000)
+
+
+def test_a_long_wait_says_what_it_waits_for_and_for_how_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(procs, "PROGRESS_EVERY_S", 0.2)
+    ready_at = time.monotonic() + 0.9
+    said: list[str] = []
+    procs.wait_until(lambda: time.monotonic() >= ready_at, 10, "kube-scheduler", None, tmp_path / "s.log", said.append)
+    assert len(said) >= 3, said
+    assert all("waiting for kube-scheduler to be ready" in s and "of at most 10s" in s and "s.log" in s for s in said)
+    quiet: list[str] = []
+    procs.wait_until(lambda: True, 10, "etcd", None, tmp_path / "e.log", quiet.append)
+    assert quiet == []

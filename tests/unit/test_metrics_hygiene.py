@@ -86,7 +86,7 @@ def test_worker_label_values_cover_every_enum_value() -> None:
     assert values[metrics.LINES_IN] == [("gpu.logs.kernel",), ("gpu.logs.pods",)]
     assert {v for (v,) in values[metrics.FAULT_EVENTS]} == {k.value for k in FaultKind}
     assert {v for (v,) in values[metrics.INCIDENTS]} == {a.value for a in Action}
-    assert {v for (v,) in values[metrics.RECOVERIES]} == {"reboot", "quiet", "manual"}
+    assert {v for (v,) in values[metrics.RECOVERIES]} == {"reboot", "quiet", "manual", "cancelled"}
     assert set(values[metrics.DEADLETTERS]) == {
         (s, c.value) for s in ("adapter", "parse", "aggregate") for c in DeadLetterCode
     }

@@ -53,11 +53,13 @@ def test_incident_bytes_are_orjsons(
 
 @settings(max_examples=200, deadline=None)
 @given(text=TEXT, opt=OPT_TEXT, lists=st.lists(TEXT, max_size=4), code=st.none() | INT64, ts=TIMES,
-       kind=st.sampled_from(list(records.FaultKind)), reason=st.sampled_from(["reboot", "quiet", "manual"]))
+       kind=st.sampled_from(list(records.FaultKind)),
+       reason=st.sampled_from(["reboot", "quiet", "manual", "cancelled"]))
 def test_recovered_and_fabric_signal_bytes_are_orjsons(
     text: str, opt: str | None, lists: list[str], code: int | None, ts: datetime, kind: Any, reason: Any
 ) -> None:
-    recovered = NodeRecovered(incident_id=text, node=text, reason=reason, boot_id=opt, recovered_at=ts, detail=text)
+    recovered = NodeRecovered(incident_id=text, node=text, reason=reason, boot_id=opt, recovered_at=ts, detail=text,
+                              cancelled_by=opt, evidence_ids=lists)
     signal = FabricSignal(signal_id=text, node=text, kind=kind, code=code, signature=text, fault_class=text, ts=ts,
                           event_ids=lists)
     for record in (recovered, signal):

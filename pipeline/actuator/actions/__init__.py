@@ -45,7 +45,7 @@ REGISTRY: dict[str, ActionDef] = _discover()
 
 # Policy order: the macro first, then the rest as an operator reads a flow.
 _ORDER = ("quarantine", "cordon", "taint", "taintDevice", "condition", "event", "notifyWorkload", "drain", "reboot",
-          "resetGpu", "enableWarmStandby", "unCordon")
+          "resetGpu", "diagnose", "hardwareInspection", "enableWarmStandby", "unCordon")
 ACTION_NAMES: tuple[str, ...] = tuple(n for n in _ORDER if n in REGISTRY) + tuple(
     sorted(n for n in REGISTRY if n not in _ORDER)
 )

@@ -150,6 +150,10 @@ class StepResult:
     """Effect keys the step now owns (recorded with its done mark)."""
     values: dict[str, Any] = field(default_factory=dict)
     """Flow values to keep in the ledger (e.g. the standby node chosen)."""
+    ledger_update: Callable[[Ledger, float], None] | None = None
+    """Applied to the ledger (with the time) in the write that records the step done: what the step's verdict
+    changes in the node's repair case (``pipeline.actuator.repaircase``). Pure and idempotent: it may run again
+    on a 409 or after a crash."""
 
 
 @dataclass
@@ -208,6 +212,10 @@ class ActionDef:
     """For ``Kind.LONG``: flow values recorded with the first claim (e.g. the bootID before a reboot)."""
     uses_drain_slot: bool = False
     """Holds one of the cluster-wide drain slots while it runs (renewed with its lease)."""
+    uses_repair_budget: bool = False
+    """Holds a slot of every repair budget the node's groups have while it runs (``pipeline.actuator.budgets``)."""
+    repairs: bool = False
+    """A repair: recorded in the node's repair case (``pipeline.actuator.repaircase``) when it is done."""
     expand: ExpandFn | None = None
     """For ``Kind.MACRO``: the actions it stands for, given the incident (``plan`` validates them)."""
     status_change: StatusChangeFn | None = None

@@ -172,5 +172,6 @@ ACTION = ActionDef(
     disruptive=True,
     requestable=True,
     uses_drain_slot=True,
+    uses_repair_budget=True,
     run=run,
 )

@@ -62,13 +62,19 @@ async def _taint_for_hook(ctx: StepContext) -> str:
 
 
 async def start_hook_job(
-    ctx: StepContext, prefix: str, template_path: str, default: str, env: dict[str, str] | None = None
+    ctx: StepContext, prefix: str, template_path: str, default: str, env: dict[str, str] | None = None,
+    labels: dict[str, str] | None = None, deadline_s: int | None = None,
 ) -> dict[str, Any]:
-    """Create the flow's hook Job on its node (deterministic name: once), after xidflow's taint; its details."""
+    """Create the flow's hook Job on its node (deterministic name: once), after xidflow's taint; its details.
+
+    ``labels`` join the flow's label; ``deadline_s`` is the Job's ``activeDeadlineSeconds`` (the Job controller
+    ends a Job that runs longer)."""
     plan, settings = ctx.plan, ctx.settings
     name = effects.object_name(prefix, plan.node, plan.flow_key, length=12)
     job = effects.render_job(read_template(template_path, default), name, settings.namespace, plan.node,
-                             {"xidflow.dev/flow": plan.flow_key[:63]})
+                             {"xidflow.dev/flow": plan.flow_key[:63], **(labels or {})})
+    if deadline_s is not None:
+        job["spec"]["activeDeadlineSeconds"] = deadline_s
     job = jobtemplates.enforce(job, settings.hook_service_account)  # the operator's Job, its own account
     for container in job["spec"]["template"]["spec"]["containers"]:
         container.setdefault("env", []).extend({"name": k, "value": v} for k, v in (env or {}).items())
@@ -197,6 +203,8 @@ ACTION = ActionDef(
     disruptive=True,
     requestable=True,
     dropped_on_escalation=True,
+    repairs=True,
+    uses_repair_budget=True,
     claim_values=lambda view: {"boot_id_before": view.boot_id},
     run=run,
 )

@@ -36,5 +36,7 @@ ACTION = ActionDef(
     attrs=frozenset({"job_template", "timeout"}),
     disruptive=True,
     dropped_on_escalation=True,
+    repairs=True,
+    uses_repair_budget=True,
     run=run,
 )
