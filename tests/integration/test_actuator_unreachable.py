@@ -21,6 +21,7 @@ import pytest
 from pipeline.actuator.actions.reboot import NOT_STARTED
 from pipeline.actuator.kube import Kube
 from pipeline.actuator.machines import UNREADY_TAINTS, reboot, resume_heartbeats, stop_heartbeats, wait_nodes_usable
+from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import Ledger
 from pipeline.actuator.policy import PolicySet
 from pipeline.actuator.testing import make_incident, wait_until
@@ -52,7 +53,13 @@ def env(consuming_env: Env) -> Env:
 
 
 async def silent(kube: Kube, node: str) -> float:
-    """Stop the machine; returns when the lifecycle controller has tainted its node unreachable (NoExecute)."""
+    """Stop the machine; returns when the lifecycle controller has tainted its node unreachable (NoExecute).
+
+    The node lifecycle controller does that only while another node of the cluster is Ready: with every node
+    silent it blames its own connection ("master disruption mode": no ``NoExecute`` taint, and those there are
+    removed), so a test keeps a healthy node beside the silent one, as any cluster has."""
+    answering = [n for n in await kube.list_nodes() if n["metadata"]["name"] != node and NodeView.from_object(n).ready]
+    assert answering, f"no Ready node beside {node}: the node lifecycle controller would not taint it unreachable"
     stopped = time.time()
     await stop_heartbeats(kube, node)
 
@@ -152,7 +159,7 @@ async def test_a_hung_faulty_node_is_quarantined_drained_and_power_cycled_withou
 
 
 async def test_a_partition_that_heals_gets_its_reboot_job_once_the_kubelet_answers(env: Env) -> None:
-    (sick,) = await env.make_nodes(1)
+    sick, _healthy = await env.make_nodes(2)
     stopped = await silent(env.kube, sick)
     await consuming(env, rule("[{name: quarantine}, {name: reboot, hook: job, timeout: 240}]"))
     await send(env, make_incident(sick, "inc-partition"))
@@ -182,7 +189,7 @@ async def test_a_partition_that_heals_gets_its_reboot_job_once_the_kubelet_answe
 
 
 async def test_reset_of_an_unreachable_node_removes_only_what_xidflow_applied(env: Env) -> None:
-    (sick,) = await env.make_nodes(1)
+    sick, _healthy = await env.make_nodes(2)
     await silent(env.kube, sick)
     await consuming(env, PolicySet())  # the default quarantine
     await send(env, make_incident(sick, "inc-reset-silent"))
