@@ -256,8 +256,10 @@ async def test_a_noexecute_quarantine_takes_intolerant_daemonset_pods_off_but_th
     assert await pods_on(env.kube, sick) == [kept]  # the probe tolerates the taint: it stays
     gone = timeline.latest()[agent]
     deleting = timeline.first(lambda s: s.deleting)[agent]
-    print(f"\nNoExecute quarantine of {sick}: node-agent {agent} deleted by Kubernetes (not the drain) at "
-          f"{since(deleting.at, start)}, reason {gone.conditions.get('DisruptionTarget')}; probe {kept} stays")
+    taint = await step_record(env, sick, "taint")
+    print(f"\nNoExecute quarantine of {sick}: tainted at {since(taint.finished_at.timestamp(), start)}; node-agent "
+          f"{agent} deleted by Kubernetes (not the drain) at {since(deleting.at, start)}, reason "
+          f"{gone.conditions.get('DisruptionTarget')}; probe {kept} stays")
 
 
 # -- 3. the hook Jobs, run by the Job controller and followed to their end -------------------------------------
