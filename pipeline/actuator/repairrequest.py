@@ -144,6 +144,11 @@ class AnswerWatch:
 
     The engine asks ``answer(name)``: the watch's view once it has listed, else a GET. A missing CRD is
     retried quietly (hand-offs fail loudly in their own step until it is installed).
+
+    The watch starts at the first ``answer`` (a flow waiting on a hand-off, or one resumed by a restarted
+    replica), not with the replica: its list is the first call of the generated custom-objects API
+    (about a second of import), and a replica's first quarantines must not wait behind it (issue 22).
+    A replica that never hands a node off never watches.
     """
 
     def __init__(self, kube: Kube, on_answer: Callable[[str], None]) -> None:
@@ -152,16 +157,24 @@ class AnswerWatch:
         self.nodes: dict[str, str] = {}
         self.synced = False
         self._task: asyncio.Task[None] | None = None
+        self._enabled = False
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._run(), name="repairrequest-watch")
+        """Let the first ``answer`` start the watch (see the class docstring)."""
+        self._enabled = True
+
+    def _ensure_watching(self) -> None:
+        if self._enabled and self._task is None:
+            self._task = asyncio.create_task(self._run(), name="repairrequest-watch")
 
     async def stop(self) -> None:
+        self._enabled = False
         if self._task is not None:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
 
     async def answer(self, name: str) -> tuple[str | None, str]:
+        self._ensure_watching()
         if self.synced and name in self.phases:
             return self.phases[name]
         return await read_answer(self.kube, name)
