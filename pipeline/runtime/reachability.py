@@ -54,7 +54,7 @@ class Dependency:
         self.failures = 0
         self._since = self._last_failure = self._reminded = self._last_ok = 0.0
         self._detail = ""
-        self._recheck_pending = False
+        self._recheck_loop: asyncio.AbstractEventLoop | None = None  # where a look at "back yet?" is booked
 
     def failed(self, detail: str) -> None:
         """An attempt to reach it failed (``detail``: what the client said, for people)."""
@@ -93,18 +93,21 @@ class Dependency:
 
     def _recheck_later(self, delay: float) -> None:
         """Look again once the settling time is over (from the event loop, when this thread runs one)."""
-        if self._recheck_pending:
-            return
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:
             return  # a client thread: the next success on the loop looks again
-        self._recheck_pending = True
+        # One look pending is enough, but only on this loop: these objects outlive an event loop (a
+        # process that runs ``asyncio.run`` twice, each test's own loop), and a look booked on a loop
+        # that has closed never comes, which left the dependency "unreachable" while it answered.
+        if self._recheck_loop is loop and not loop.is_closed():
+            return
+        self._recheck_loop = loop
         loop.call_later(max(0.0, delay) + 0.01, self._recheck)
 
     def _recheck(self) -> None:
         with self._lock:
-            self._recheck_pending = False
+            self._recheck_loop = None
             if not self.down:
                 return
             now = self.clock()

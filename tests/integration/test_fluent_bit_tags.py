@@ -34,7 +34,10 @@ end
 
 def real_tags(folders: list[Path], workdir: Path, timeout: float = 60.0) -> dict[Path, str]:
     """Run the real Fluent Bit once over a kubelet-named file in each folder; the tag each file got."""
-    shipped_tag = next(i["tag"] for i in load_shipped()["pipeline"]["inputs"] if i["name"] == "tail")
+    shipped = load_shipped()["pipeline"]
+    # The container-log input: the tail input whose records the kubernetes filter matches.
+    kube_match = next(f["match"] for f in shipped["filters"] if f["name"] == "kubernetes")
+    shipped_tag = next(i["tag"] for i in shipped["inputs"] if i["name"] == "tail" and i["tag"] == kube_match)
     names: dict[str, Path] = {}
     inputs = []
     for folder in folders:
@@ -66,7 +69,8 @@ def real_tags(folders: list[Path], workdir: Path, timeout: float = 60.0) -> dict
             for line in out_file.read_text(errors="replace").splitlines():
                 if line.startswith("{"):
                     tag = orjson.loads(line)["tag"]
-                    name = next(n for n in names if tag.endswith(n.removesuffix(".log") + ".log"))
+                    name = next((n for n in names if tag.endswith(n)), None)
+                    assert name is not None, f"a tag that ends in none of the files' names: {tag}"
                     tags[names[name]] = tag
             time.sleep(0.2)
     finally:

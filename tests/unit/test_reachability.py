@@ -86,6 +86,26 @@ async def test_an_answer_inside_the_settling_time_is_looked_at_again_on_the_loop
     assert not broker.down and said(lines)[-1][1].startswith("Kafka broker reachable again after 0 s (1 failed")
 
 
+def test_a_look_booked_on_a_loop_that_closed_does_not_keep_it_down_on_the_next(
+    lines: pytest.LogCaptureFixture,
+) -> None:
+    loki = Dependency("Loki", settle_s=0.2, logger=logging.getLogger("test.reachability"))
+
+    async def fail_then_answer_too_soon() -> None:
+        loki.failed("x")
+        loki.reachable()  # books a look on this loop, which closes before it comes
+
+    asyncio.run(fail_then_answer_too_soon())
+    assert loki.down
+
+    async def answers_on_the_next_loop() -> None:  # the same process, a new loop (a second asyncio.run)
+        loki.reachable()
+        await asyncio.sleep(0.4)
+
+    asyncio.run(answers_on_the_next_loop())
+    assert not loki.down and said(lines)[-1][1].startswith("Loki reachable again")
+
+
 def record(name: str, level: int, msg: str, *args: object) -> logging.LogRecord:
     return logging.LogRecord(name, level, __file__, 1, msg, args, None)
 
