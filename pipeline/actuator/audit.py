@@ -60,6 +60,8 @@ AUDIT_DETAILS: dict[str, str] = {
     "out of service; only the pods holding them are evicted.",
     "holders": "drain with `scope: gpu`: the pods whose ResourceClaims hold those devices (namespace/name).",
     "blocked": "drain, failed: the pods still there at the timeout (PodDisruptionBudgets refused them).",
+    "stranded": "drain: pods left terminating on a node whose kubelet is silent (Ready `Unknown`): their eviction or "
+    "deletion was accepted, but nothing can end them until the machine is back (not waited for).",
     "checkpoint": "drain with `checkpointGrace`: the checkpoint wait: `result`, `grace_s`, `requested_at`, "
     "`deadline`, `waited_s`, `asked`, `answered`, `unanswered`, `forbidden`.",
     "result": "In `checkpoint`: answered, grace-expired, no-gpu-pods or gpu-lost. diagnose: the result object of the "
@@ -78,6 +80,9 @@ AUDIT_DETAILS: dict[str, str] = {
     "job": "reboot (Job hook), resetGpu, diagnose: the hook Job's name.",
     "created": "reboot (Job hook), resetGpu, diagnose: whether this application created the Job (false: it existed); "
     "hardwareInspection: whether it created the RepairRequest.",
+    "job_not_started": "reboot (Job hook): why no Job was created (the node was unreachable all along: a Job's pod "
+    "cannot run there, and would reboot the machine again when it comes back).",
+    "job_end": "resetGpu: how the Job controller ended the Job (`Complete`, or `Failed: <reason>: <message>`).",
     "taint": "reboot (Job hook), resetGpu, diagnose: xidflow's taint before the Job (the admission policy admits a "
     "hook Job only on a node carrying it): `node carries <key>`, or that the step tainted the node itself.",
     "status": "reboot (webhook hook): the HTTP status the webhook answered.",

@@ -13,7 +13,7 @@ import copy
 import json
 import random
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from pipeline.actuator.diagnostics import DIAGNOSTICS_COMMAND
-from pipeline.actuator.kube import AlreadyExists, Kube
+from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
     CORDON,
@@ -34,6 +34,8 @@ from schemas.records import stable_id
 
 EVENT_NAMESPACE = "default"  # Events about cluster-scoped Nodes live in "default", as the kubelet's do.
 DEFAULT_REBOOT_TIMEOUT = 1800.0
+DEFAULT_RESET_TIMEOUT = 300.0
+"""How long a GPU-reset Job may run when its step gives no ``timeout`` (a reset takes seconds)."""
 
 
 def now_rfc3339() -> str:
@@ -235,30 +237,73 @@ async def call_webhook(url: str, payload: dict[str, Any], idempotency_key: str, 
             return resp.status
 
 
+@dataclass(frozen=True)
+class JobEnd:
+    """How the Job controller ended a hook Job: its ``Complete`` or ``Failed`` condition."""
+
+    succeeded: bool
+    reason: str = ""
+    """The Job controller's reason (``BackoffLimitExceeded``, ``DeadlineExceeded``, ...); empty for Complete."""
+    message: str = ""
+
+    def describe(self) -> str:
+        if self.succeeded:
+            return "Complete"
+        return ": ".join(p for p in ("Failed", self.reason, self.message) if p)
+
+
+def job_end(job: Mapping[str, Any]) -> JobEnd | None:
+    """The Job's end as its controller recorded it (its terminal condition), None while it runs. Pure."""
+    for cond in (job.get("status") or {}).get("conditions") or []:
+        if cond.get("status") != "True":
+            continue
+        if cond.get("type") == "Complete":
+            return JobEnd(True)
+        if cond.get("type") == "Failed":
+            return JobEnd(False, str(cond.get("reason") or ""), str(cond.get("message") or ""))
+    return None
+
+
+JOB_GONE = JobEnd(False, "Deleted", "the Job was deleted before xidflow saw it end")
+
+
 async def wait_for_reboot(
-    kube: Kube, node: str, boot_id_before: str, limit_s: float, poll: float = 1.0
-) -> tuple[bool, NodeView]:
-    """Wait until the Node is Ready with a bootID different from the one before the reboot."""
+    kube: Kube, node: str, boot_id_before: str, limit_s: float, poll: float = 1.0,
+    each_round: Callable[[NodeView], Awaitable[str | None]] | None = None,
+) -> tuple[bool, NodeView, str | None]:
+    """Wait until the Node is Ready with a bootID different from the one before the reboot.
+
+    ``each_round``: called with the node each round while it keeps its old bootID (a Job hook starts and
+    follows its Job there); a reason means the reboot request failed, and the wait ends with it once the
+    node, read again after it, still reports the old bootID. Returns (rebooted, the node as last read, that
+    reason).
+    """
     deadline = time.monotonic() + limit_s
     while True:
         view = NodeView.from_object(await kube.get_node(node))
         if view.ready and view.boot_id and view.boot_id != boot_id_before:
-            return True, view
+            return True, view, None
+        why = await each_round(view) if each_round is not None else None
+        if why is not None:
+            view = NodeView.from_object(await kube.get_node(node))
+            if view.boot_id == boot_id_before:
+                return False, view, why
         if time.monotonic() >= deadline:
-            return False, view
+            return False, view, None
         await asyncio.sleep(poll)
 
 
-async def wait_for_job(kube: Kube, namespace: str, name: str, limit_s: float, poll: float = 1.0) -> bool | None:
-    """True when the Job succeeded, False when it failed, None on timeout."""
+async def wait_for_job(kube: Kube, namespace: str, name: str, limit_s: float, poll: float = 1.0) -> JobEnd | None:
+    """The Job's end (``Complete`` or ``Failed``, as the Job controller says), None on timeout; ``JOB_GONE`` when the
+    Job was deleted before its end was seen (nothing says it worked)."""
     deadline = time.monotonic() + limit_s
     while True:
-        status = (await kube.get_job(namespace, name)).get("status") or {}
-        if status.get("succeeded"):
-            return True
-        conditions = status.get("conditions") or []
-        if any(c.get("type") == "Failed" and c.get("status") == "True" for c in conditions):
-            return False
+        try:
+            end = job_end(await kube.get_job(namespace, name))
+        except NotFound:
+            return JOB_GONE
+        if end is not None:
+            return end
         if time.monotonic() >= deadline:
             return None
         await asyncio.sleep(poll)

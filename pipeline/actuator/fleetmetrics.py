@@ -30,7 +30,7 @@ from pipeline.actuator.actions.drain import DEFAULT_DRAIN_TIMEOUT
 from pipeline.actuator.breaker import Breaker
 from pipeline.actuator.breaker_rules import admitted_within, in_fleet, quarantined_by_xidflow
 from pipeline.actuator.configmap_state import read_json_configmap
-from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT
+from pipeline.actuator.effects import DEFAULT_REBOOT_TIMEOUT, DEFAULT_RESET_TIMEOUT
 from pipeline.actuator.kube import unreachable
 from pipeline.actuator.nodeview import NodeView
 from pipeline.runtime import metrics
@@ -64,7 +64,8 @@ STEP_ACTIONS: tuple[str, ...] = tuple(n for n in actions.ACTION_NAMES if actions
 
 REMEDIATION_ACTIONS: frozenset[str] = frozenset(actions.ACTION_NAMES) | frozenset(AUDIT_ACTIONS)
 
-DEFAULT_STEP_TIMEOUTS: Mapping[str, float] = {"drain": DEFAULT_DRAIN_TIMEOUT, "reboot": DEFAULT_REBOOT_TIMEOUT}
+DEFAULT_STEP_TIMEOUTS: Mapping[str, float] = {
+    "drain": DEFAULT_DRAIN_TIMEOUT, "reboot": DEFAULT_REBOOT_TIMEOUT, "resetGpu": DEFAULT_RESET_TIMEOUT}
 STEP_TIMEOUT_S = 300.0
 """Timeout of a step whose policy and action give none: a node write, an Event or a Job start that is
 still open after five minutes is stuck."""

@@ -45,6 +45,14 @@ class NodeView:
         return next((c for c in self.conditions if c.get("type") == condition_type), None)
 
     @property
+    def unreachable(self) -> bool:
+        """The node lifecycle controller's verdict that no kubelet answers for the node (its heartbeats stopped for
+        longer than the grace period): Ready ``Unknown``, as it sets with its ``node.kubernetes.io/unreachable``
+        taints. Pods there cannot start, and pods deleted there cannot end, until the machine is back."""
+        ready = self.condition("Ready")
+        return ready is not None and ready.get("status") == "Unknown"
+
+    @property
     def ledger(self) -> Ledger:
         return Ledger.from_annotations(self.annotations)
 

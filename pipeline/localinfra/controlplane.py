@@ -338,7 +338,7 @@ class ControlPlane:
     def _start_nodes_and_controllers(self, dist: ControlPlaneDist, kwok_dist: KwokDist, timeout: float) -> None:
         """Start the controller-manager, the scheduler and KWOK together; wait until each answers."""
         config = self.root / "kwok.yaml"
-        config.write_text(kwok.config_text(kwok.load_stages(kwok_dist.module_files)))
+        config.write_text(kwok.config_text(kwok.all_stages(kwok_dist.module_files)))
         commands = {
             "kube-controller-manager": controller_manager_command(
                 dist.kube_controller_manager, kubeconfig=self.component_kubeconfig("kube-controller-manager"),

@@ -1,9 +1,9 @@
 """KWOK, the node and pod simulator of Kubernetes SIGs: the kubelets of the local cluster.
 
 ``install.ensure_kwok`` builds it from its Go module and copies the module's own ``kustomize/stage``
-and ``kustomize/rbac`` files beside the binary; this module configures KWOK from those files. Nothing
-of KWOK's behaviour is written here: the stages are the module's, with one selector added, and its
-permissions are the module's ClusterRole.
+and ``kustomize/rbac`` files beside the binary; this module configures KWOK from those files. The
+stages are the module's, with one selector added and one stage of a kubelet's that the module lacks
+(``POD_STOP_STAGE``), and its permissions are the module's ClusterRole.
 
 What KWOK does here (the stages, ``STAGES``):
 
@@ -18,6 +18,13 @@ What KWOK does here (the stages, ``STAGES``):
   the label are nobody's: they go NotReady as on a cluster whose kubelet is dead;
 - ``pod-ready`` runs a scheduled pod on a KWOK node (Running, Ready); ``pod-delete`` finalises a
   deleted pod at once (no containers to stop);
+- ``POD_STOP_STAGE`` (the one stage of our own) first does what a kubelet does to a running pod that is
+  deleted or evicted: it stops the containers (exit code 143, SIGTERM's) and reports the pod ``Failed``,
+  keeping its conditions (``DisruptionTarget``, another writer's). Without it a pod that carries a
+  finalizer (every pod of a Job: ``batch.kubernetes.io/job-tracking``) would stay Running and
+  Terminating for ever, since the Job controller counts a pod, and lets it go, only once it is terminal;
+  with it the Job controller sees what it sees on a cluster (a Failed pod with its conditions) and its
+  ``podFailurePolicy`` decides. Pods without a finalizer go on to ``pod-delete`` as before;
 - ``pod-complete`` ends a running pod owned by a Job (Succeeded, exit code 0), unless the pod carries
   ``POD_COMPLETE_LABEL: "false"`` (the one selector added here): a Job that must keep running (a
   training job that checkpoints) sets it in its pod template;
@@ -54,6 +61,51 @@ STAGES = (
     "kustomize/stage/pod/chaos/pod-container-running-failed.yaml",
 )
 """The module's Stage files KWOK runs with (paths inside the module)."""
+POD_STOP_STAGE: dict[str, Any] = yaml.safe_load(r"""
+apiVersion: kwok.x-k8s.io/v1alpha1
+kind: Stage
+metadata:
+  name: pod-stop
+spec:
+  resourceRef: {apiGroup: v1, kind: Pod}
+  selector:
+    matchExpressions:
+    - {key: '.metadata.deletionTimestamp', operator: 'Exists'}
+    - {key: '.status.phase', operator: 'In', values: ['Running']}
+  weight: 1
+  next:
+    statusTemplate: |
+      {{ $now := Now }}
+      conditions:
+      - lastTransitionTime: {{ $now | Quote }}
+        status: "False"
+        reason: PodFailed
+        type: Ready
+      - lastTransitionTime: {{ $now | Quote }}
+        status: "False"
+        reason: PodFailed
+        type: ContainersReady
+      containerStatuses:
+      {{ range .spec.containers }}
+      - image: {{ .image | Quote }}
+        name: {{ .name | Quote }}
+        ready: false
+        restartCount: 0
+        started: false
+        state:
+          terminated:
+            exitCode: 143
+            reason: Error
+            finishedAt: {{ $now | Quote }}
+            startedAt: {{ $now | Quote }}
+      {{ end }}
+      phase: Failed
+""")
+"""What a kubelet does to a running pod that is deleted (evicted): its containers stopped, the pod ``Failed``.
+
+Its weight wins over the module's ``pod-delete`` while the pod still runs; once it is Failed only
+``pod-delete`` matches and finishes it (after the Job controller has let go of a Job's pod).
+"""
 RBAC_ROLE = "kustomize/rbac/role.yaml"
 """The module's ClusterRole of the KWOK controller (what it may read and write)."""
 
@@ -105,6 +157,11 @@ def configuration(parallelism: int = PARALLELISM) -> dict[str, Any]:
     return {"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
             "options": {"nodePlayStageParallelism": parallelism, "nodeLeaseParallelism": parallelism,
                         "podPlayStageParallelism": 4, "podsOnNodeSyncParallelism": 1}}
+
+
+def all_stages(module_files: Path) -> list[dict[str, Any]]:
+    """What KWOK runs with here: the module's ``STAGES`` (``load_stages``) and ``POD_STOP_STAGE``."""
+    return [*load_stages(module_files), copy.deepcopy(POD_STOP_STAGE)]
 
 
 def config_text(stages: Sequence[dict[str, Any]]) -> str:

@@ -18,6 +18,7 @@ from pipeline.localinfra.rsyslog import RsyslogDist, ensure_rsyslog_kafka
 from pipeline.runtime.settings import TopicNames
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_pipeline import PARTITIONS, Pipeline, Worker, wait_ready
+from tests.integration.workloads import ensure_ns
 
 
 @pytest.fixture
@@ -25,6 +26,17 @@ async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str
     """A fresh actuator world (nodes, namespace, topics) on the session's Kafka and API server."""
     world = Env(kafka_bootstrap, kubeconfig, unique)
     await ensure_topics(kafka_bootstrap, [world.topics.name("remediation_audit")], partitions=1)
+    yield world
+    await world.close()
+
+
+@pytest.fixture
+async def consuming_env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
+    """A fresh actuator world for actuators that consume: every actuator topic exists (one partition, so one replica
+    owns each node at a time) and so does its namespace."""
+    world = Env(kafka_bootstrap, kubeconfig, unique)
+    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
+    await ensure_ns(world.kube, world.namespace)
     yield world
     await world.close()
 

@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -27,10 +27,8 @@ from typing import Any
 import pytest
 
 from pipeline.actuator import checkpoint
-from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.policy import load_yaml_text
 from pipeline.actuator.testing import make_incident, publish, wait_until
-from pipeline.kafka.admin import ensure_topics
 from schemas.records import Action, Outcome
 from tests.integration.test_actuator_effects import Env
 from tests.integration.test_actuator_failover import (
@@ -49,12 +47,8 @@ CODE = 48  # double-bit ECC: RESET_GPU, the GPU still runs
 
 
 @pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
-    await ensure_ns(world.kube, world.namespace)
-    yield world
-    await world.close()
+def env(consuming_env: Env) -> Env:
+    return consuming_env
 
 
 def incident(node: str, flow: str, code: int = CODE, action: Action = Action.RESET_GPU) -> Any:

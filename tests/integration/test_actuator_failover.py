@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +27,10 @@ import orjson
 import pytest
 import yaml
 
-from pipeline.actuator.app import actuator_topics
 from pipeline.actuator.configmap_state import read_json_configmap
 from pipeline.actuator.effects import DEFAULT_DIAGNOSTICS_JOB, DEFAULT_RESET_JOB
 from pipeline.actuator.machines import held_job
 from pipeline.actuator.testing import make_incident, node_events, publish, reboot, wait_until
-from pipeline.kafka.admin import ensure_topics
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL
 from schemas.records import Outcome
 from tests.integration.test_actuator_effects import Env
@@ -47,13 +44,8 @@ TAINT_KEY = "nvidia.com/gpu-fault"
 
 
 @pytest.fixture
-async def env(kafka_bootstrap: str, kubeconfig: str, unique: Callable[[str], str]) -> AsyncIterator[Env]:
-    world = Env(kafka_bootstrap, kubeconfig, unique)
-    # One partition: exactly one replica owns the node at a time, so the one to kill is known.
-    await ensure_topics(kafka_bootstrap, actuator_topics(world.topics), partitions=1)
-    await ensure_ns(world.kube, world.namespace)
-    yield world
-    await world.close()
+def env(consuming_env: Env) -> Env:
+    return consuming_env
 
 
 class Replicas:

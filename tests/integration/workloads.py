@@ -9,7 +9,11 @@ another test's node. A replacement the scheduler cannot place (its node cordoned
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kubernetes import client
@@ -35,9 +39,11 @@ async def ensure_ns(kube: Kube, name: str) -> None:
 def pod_template(labels: dict[str, str], node: str | None, gpus: int = 0, *,
                  tolerations: list[dict[str, Any]] | None = None, restart: str | None = None,
                  annotations: dict[str, str] | None = None, container_name: str = "c",
-                 claim_templates: tuple[str, ...] = ()) -> dict[str, Any]:
-    """A pod template (pure): one container, ``gpus`` ``nvidia.com/gpu`` limit, pinned to ``node`` when given;
-    with ``claim_templates``, one DRA ResourceClaim per pod from each named ResourceClaimTemplate (the resource claim
+                 claim_templates: tuple[str, ...] = (),
+                 node_selector: dict[str, str] | None = None) -> dict[str, Any]:
+    """A pod template (pure): one container, ``gpus`` ``nvidia.com/gpu`` limit, pinned to ``node`` when given, else
+    placed by ``node_selector`` (a test's fleet label: the scheduler chooses among the test's own nodes); with
+    ``claim_templates``, one DRA ResourceClaim per pod from each named ResourceClaimTemplate (the resource claim
     controller creates them, the scheduler allocates them)."""
     container: dict[str, Any] = {"name": container_name, "image": "busybox"}
     if gpus:
@@ -49,6 +55,8 @@ def pod_template(labels: dict[str, str], node: str | None, gpus: int = 0, *,
         container["resources"] = {"claims": [{"name": f"dev{i}"} for i in range(len(claim_templates))]}
     if node:
         spec["nodeSelector"] = {HOSTNAME: hostname(node)}
+    elif node_selector:
+        spec["nodeSelector"] = dict(node_selector)
     if tolerations:
         spec["tolerations"] = tolerations
     if restart:
@@ -91,12 +99,14 @@ async def wait_running(kube: Kube, namespace: str, labels: dict[str, str], count
         await asyncio.sleep(0.2)
 
 
-async def deployment(kube: Kube, namespace: str, name: str, node: str, replicas: int, labels: dict[str, str],
+async def deployment(kube: Kube, namespace: str, name: str, node: str | None, replicas: int, labels: dict[str, str],
                      gpus: int = 0, tolerations: list[dict[str, Any]] | None = None,
-                     claim_templates: tuple[str, ...] = ()) -> list[str]:
-    """A Deployment on ``node``; its running pods' names once the ReplicaSet, the scheduler and KWOK ran them."""
+                     claim_templates: tuple[str, ...] = (), node_selector: dict[str, str] | None = None) -> list[str]:
+    """A Deployment on ``node`` (or where ``node_selector`` lets the scheduler put it); its running pods' names once
+    the ReplicaSet, the scheduler and KWOK ran them."""
     apps = client.AppsV1Api(kube.api_client)
-    template = pod_template(labels, node, gpus, tolerations=tolerations, claim_templates=claim_templates)
+    template = pod_template(labels, node, gpus, tolerations=tolerations, claim_templates=claim_templates,
+                            node_selector=node_selector)
     body = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": name, "namespace": namespace},
             "spec": {"replicas": replicas, "selector": {"matchLabels": labels}, "template": template}}
     await kube._call(apps.create_namespaced_deployment, namespace, body)
@@ -121,11 +131,13 @@ async def trainers(kube: Kube, namespace: str, node: str, replicas: int, gpus: i
     return await statefulset(kube, namespace, name, node, replicas, {"app": "train", "xidflow.test/set": name}, gpus)
 
 
-async def daemonset(kube: Kube, namespace: str, name: str, node: str, labels: dict[str, str]) -> str:
+async def daemonset(kube: Kube, namespace: str, name: str, node: str, labels: dict[str, str],
+                    tolerations: list[dict[str, Any]] | None = None) -> str:
     """A DaemonSet whose node selector matches ``node`` alone; returns the pod the DaemonSet controller put there."""
     apps = client.AppsV1Api(kube.api_client)
+    template = pod_template(labels, node, tolerations=tolerations)
     body = {"apiVersion": "apps/v1", "kind": "DaemonSet", "metadata": {"name": name, "namespace": namespace},
-            "spec": {"selector": {"matchLabels": labels}, "template": pod_template(labels, node)}}
+            "spec": {"selector": {"matchLabels": labels}, "template": template}}
     await kube._call(apps.create_namespaced_daemon_set, namespace, body)
     (pod,) = await wait_running(kube, namespace, labels, 1, node)
     return pod
@@ -220,3 +232,93 @@ async def cordon_answered(kube: Kube, node: str, limit_s: float = 30) -> None:
 async def pods_on(kube: Kube, node: str) -> list[str]:
     """The names of the pods bound to ``node`` (``spec.nodeName``), sorted."""
     return sorted(p["metadata"]["name"] for p in await kube.list_pods_on_node(node))
+
+
+@dataclass(frozen=True)
+class PodState:
+    """One pod as one watch event showed it."""
+
+    at: float
+    """``time.time()`` when the event arrived."""
+    kind: str
+    """The watch event: ADDED, MODIFIED, DELETED."""
+    name: str
+    node: str | None
+    phase: str | None
+    ready: bool
+    deleting: bool
+    labels: dict[str, str]
+    conditions: dict[str, tuple[str, str]]
+    """Condition type -> (status, reason)."""
+
+    @classmethod
+    def of(cls, kind: str, pod: dict[str, Any], at: float) -> PodState:
+        meta, status = pod.get("metadata") or {}, pod.get("status") or {}
+        conditions = {c["type"]: (c.get("status", ""), c.get("reason") or "") for c in status.get("conditions") or []}
+        return cls(at, kind, meta.get("name", ""), (pod.get("spec") or {}).get("nodeName"), status.get("phase"),
+                   conditions.get("Ready", ("",))[0] == "True", bool(meta.get("deletionTimestamp")),
+                   dict(meta.get("labels") or {}), conditions)
+
+    @property
+    def healthy(self) -> bool:
+        """What the disruption controller counts as healthy: Ready, not being deleted, not gone."""
+        return self.kind != "DELETED" and self.ready and not self.deleting
+
+
+class Timeline:
+    """Every change of a namespace's pods, as one watch from a list's resourceVersion delivers them (none missed
+    between two looks), with the time each arrived: what the controllers, the scheduler and KWOK did, and when."""
+
+    def __init__(self, kube: Kube, namespace: str) -> None:
+        self.kube, self.namespace = kube, namespace
+        self.states: list[PodState] = []
+        self._task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Timeline:
+        page = await self.kube._call(self.kube.core.list_namespaced_pod, self.namespace)
+        now = time.time()
+        self.states += [PodState.of("ADDED", p, now) for p in page.get("items") or []]
+        self._task = asyncio.create_task(self._follow(page["metadata"]["resourceVersion"]))
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+
+    async def _follow(self, rv: str) -> None:
+        opener = functools.partial(self.kube.core.list_namespaced_pod, self.namespace)
+        while True:
+            events = self.kube._watch(opener, "pods", 300, resource_version=rv)
+            async with contextlib.aclosing(events) as stream:
+                async for event in stream:
+                    obj = event.get("object") or {}
+                    if event.get("type") == "ERROR":
+                        raise AssertionError(f"the pod watch of {self.namespace} broke: {obj}")
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    if event.get("type") != "BOOKMARK":
+                        self.states.append(PodState.of(event["type"], obj, time.time()))
+
+    def latest(self) -> dict[str, PodState]:
+        """Each pod's last state (gone ones included, as ``DELETED``)."""
+        return {state.name: state for state in self.states}
+
+    def first(self, predicate: Callable[[PodState], bool]) -> dict[str, PodState]:
+        """Each pod's first state that satisfies ``predicate``."""
+        found: dict[str, PodState] = {}
+        for state in self.states:
+            if state.name not in found and predicate(state):
+                found[state.name] = state
+        return found
+
+    def fewest_healthy(self, labels: dict[str, str], since: float) -> int:
+        """The fewest pods with ``labels`` that were healthy at once, over every event after ``since``."""
+        current: dict[str, PodState] = {}
+        fewest: int | None = None
+        for state in self.states:
+            current[state.name] = state
+            if state.at >= since:
+                count = sum(1 for s in current.values() if s.healthy and labels.items() <= s.labels.items())
+                fewest = count if fewest is None else min(fewest, count)
+        return fewest if fewest is not None else 0

@@ -7,6 +7,12 @@ pods (the shippers and the probe keep running on a quarantined node), mirror pod
 ``scope: gpu`` (what the per-GPU quarantine adds after taintDevice): the drain is about the pods holding the GPUs
 this flow tainted (``pipeline.actuator.claims``), not about the node; every other pod stays, and nothing is evicted
 when the flow tainted no GPU (a node quarantine) or only as a dry run (effect None).
+
+A drain ends when no pod it must move is left on the node. A pod already terminating (evicted, or
+deleted by Kubernetes' own taint eviction) is waited for while the node's kubelet answers; on a node the
+node lifecycle controller judged unreachable (``NodeView.unreachable``: Ready ``Unknown``) nothing confirms
+its end until the machine is back, so it is reported as ``stranded`` and not waited for: the eviction was
+accepted (PDBs honoured), the pod's controller has been told, and what remains is the kubelet's part.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ from pipeline.actuator.actions.base import ActionDef, ActionSpecLike, Kind, Step
 from pipeline.actuator.actions.taint_device import flow_devices
 from pipeline.actuator.checkpoint_wait import before_drain
 from pipeline.actuator.kube import Kube, NotFound, TooManyRequests
+from pipeline.actuator.nodeview import NodeView
 from schemas.records import Outcome
 
 MIRROR_ANNOTATION = "kubernetes.io/config.mirror"
@@ -64,6 +71,10 @@ def finished_pods(pod: Pod) -> bool:
     return (pod.get("status") or {}).get("phase") in ("Succeeded", "Failed")
 
 
+def terminating(pod: Pod) -> bool:
+    return bool((pod.get("metadata") or {}).get("deletionTimestamp"))
+
+
 def default_filters(excluded_namespaces: Iterable[str] = (), own_namespace: str | None = None) -> list[PodFilter]:
     own = [own_pods(own_namespace)] if own_namespace else []
     return [daemonset_pods, mirror_pods, *own, in_namespaces(excluded_namespaces)]
@@ -85,12 +96,18 @@ def drain_candidates(
     return evict, alone
 
 
+def _namespace(pod: Pod) -> str:
+    return str((pod.get("metadata") or {}).get("namespace"))
+
+
 @dataclass
 class DrainResult:
     evicted: list[str] = field(default_factory=list)
     forced: list[str] = field(default_factory=list)
     blocked: list[str] = field(default_factory=list)
     left_alone: list[str] = field(default_factory=list)
+    stranded: list[str] = field(default_factory=list)
+    """Pods terminating on an unreachable node: evicted or deleted, their end unconfirmable until it is back."""
     ok: bool = True
     reason: str = ""
 
@@ -111,12 +128,16 @@ async def drain(
     while True:
         on_node = [p for p in await kube.list_pods_on_node(node) if only is None or only(p)]
         pods, result.left_alone = drain_candidates(on_node, set(), filters)
+        elapsed = time.monotonic() - start
+        force = spec.force_after is not None and elapsed >= spec.force_after
+        waiting = [p for p in pods if terminating(p) and not (force and _namespace(p) in spec.force_namespaces)]
+        if waiting and NodeView.from_object(await kube.get_node(node)).unreachable:
+            result.stranded = [f"{_namespace(p)}/{p['metadata']['name']}" for p in waiting]
+            pods = [p for p in pods if p not in waiting]
         if not pods:
             result.ok = True
             result.blocked = []
             return result
-        elapsed = time.monotonic() - start
-        force = spec.force_after is not None and elapsed >= spec.force_after
         blocked: list[str] = []
 
         async def one(pod: Pod, force: bool = force, blocked: list[str] = blocked) -> None:
@@ -190,12 +211,17 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
     finally:
         await ctx.drains.release(node)
     details |= scoped | {"evicted": res.evicted, "forced": res.forced, "left_alone": res.left_alone}
+    if res.stranded:
+        details["stranded"] = res.stranded
     prefix = f"{waited}; " if waited else ""
     if only is not None:
         prefix += f"the pods holding {', '.join(scoped['gpu_devices'])}: "
     if not res.ok:
         return StepResult(Outcome.FAILED, prefix + res.reason, details | {"blocked": res.blocked})
-    return StepResult(Outcome.APPLIED, f"{prefix}{len(res.evicted)} evicted, {len(res.forced)} forced", details)
+    stranded = (f"; {len(res.stranded)} left terminating on the unreachable node (no kubelet to end them)"
+                if res.stranded else "")
+    return StepResult(Outcome.APPLIED, f"{prefix}{len(res.evicted)} evicted, {len(res.forced)} forced{stranded}",
+                      details)
 
 
 ACTION = ActionDef(

@@ -1,7 +1,11 @@
 """reboot: ask for a reboot (privileged Job, node annotation, or webhook) and wait for a new bootID.
 
 The bootID before the reboot is recorded with the claim, so a replica that resumes the step after
-the first one died waits for the same reboot instead of asking for a second one.
+the first one died waits for the same reboot instead of asking for a second one. The Job hook's Job is
+created only while the node's kubelet answers (``_JobHook``) and followed: when the Job controller fails it
+(its command failed) while the node keeps its old bootID, the step fails at once with the Job's reason
+instead of waiting out its timeout (``job_failed``); a pod that the node's own shutdown terminated is the
+reboot under way, not a failure.
 
 A hook Job (this one and resetGpu's, ``start_hook_job``) runs only on a node that carries xidflow's own
 taint (``XIDFLOW_ACTUATOR_TAINT_KEY``): the admission policy of ``deploy/rbac/hook-jobs-admission.yaml``
@@ -13,10 +17,12 @@ the taint from the hook step, owned by the flow and undone with it (and by ``unc
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from pipeline.actuator import effects, jobtemplates
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
+from pipeline.actuator.kube import Kube, NotFound
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION, taint_effect_key
 from schemas.records import Outcome
 
@@ -25,6 +31,8 @@ if TYPE_CHECKING:
     from pipeline.actuator.ownership import Ledger
 
 
+JOB_NAME_LABEL = "batch.kubernetes.io/job-name"
+"""The label the Job controller puts on a Job's pods (the Job's name)."""
 HOOK_TAINT = "hook_taint"
 """Flow value: the hook step put xidflow's taint on the node (so ``uncordonAfter`` takes it away again)."""
 
@@ -75,15 +83,75 @@ async def start_hook_job(
     return details
 
 
+def _terminated_by_the_node(pod: Mapping[str, Any]) -> bool:
+    """The pod carries ``DisruptionTarget`` (the kubelet's graceful node shutdown, an eviction). Pure."""
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "DisruptionTarget" and c.get("status") == "True" for c in conditions)
+
+
+def _exit_of(pods: list[Mapping[str, Any]]) -> str:
+    """The hook container's end as its pod reports it (``exit code 1 (Error)``), or empty. Pure."""
+    for pod in pods:
+        for status in (pod.get("status") or {}).get("containerStatuses") or []:
+            done = (status.get("state") or {}).get("terminated")
+            if done:
+                return f"exit code {done.get('exitCode')} ({done.get('reason') or 'no reason'})"
+    return ""
+
+
+async def job_failed(kube: Kube, node: str, namespace: str, name: str) -> str | None:
+    """Why the reboot's hook Job failed without the machine going down, or None: it runs, it completed, it is
+    gone (``ttlSecondsAfterFinished``), or its pod was terminated by the node's shutdown (the reboot itself)."""
+    try:
+        end = effects.job_end(await kube.get_job(namespace, name))
+    except NotFound:
+        return None
+    if end is None or end.succeeded:
+        return None
+    pods = [p for p in await kube.list_pods_on_node(node)
+            if ((p.get("metadata") or {}).get("labels") or {}).get(JOB_NAME_LABEL) == name
+            and (p.get("metadata") or {}).get("namespace") == namespace]
+    if any(_terminated_by_the_node(p) for p in pods):
+        return None
+    exit_note = _exit_of(pods)
+    return f"reboot Job {name} {end.describe()}" + (f"; its pod: {exit_note}" if exit_note else "")
+
+
+NOT_STARTED = "the node was unreachable: a reboot Job could not run there, so none was created"
+
+
+class _JobHook:
+    """The Job hook, round by round of the wait for the new bootID: the Job is created once the node's kubelet
+    answers (at once, normally), then followed to its end.
+
+    On an unreachable node (``NodeView.unreachable``) no Job is created: its pod could not run there, and would
+    run when the machine comes back, rebooting it a second time after the power cycle that brought it back. A
+    machine that comes back with a new bootID needs no Job; one that comes back with the old bootID gets it then.
+    """
+
+    def __init__(self, ctx: StepContext, details: dict[str, Any]) -> None:
+        self.ctx, self.details = ctx, details
+
+    async def round(self, view: NodeView) -> str | None:
+        ctx = self.ctx
+        if "job" not in self.details:
+            if view.unreachable:
+                return None
+            self.details |= await start_hook_job(ctx, "xidflow-reboot", ctx.settings.reboot_job_template,
+                                                 effects.DEFAULT_REBOOT_JOB)
+            return None
+        return await job_failed(ctx.kube, ctx.plan.node, ctx.settings.namespace, self.details["job"])
+
+
 async def run(ctx: StepContext, step: StepLike) -> StepResult:
     plan, spec = ctx.plan, step.spec
     flow = plan.flow_key
     before = ctx.view.ledger.flow_value(flow, "boot_id_before") or ctx.view.boot_id
     hook = spec.hook or "job"
     details: dict[str, Any] = {"hook": hook, "boot_id_before": before}
+    each_round = None
     if hook == "job":
-        details |= await start_hook_job(ctx, "xidflow-reboot", ctx.settings.reboot_job_template,
-                                        effects.DEFAULT_REBOOT_JOB)
+        each_round = _JobHook(ctx, details).round
     elif hook == "annotation":
 
         def request(view: NodeView, ledger: Ledger) -> tuple[effects.NodeChange | None, None]:
@@ -95,11 +163,16 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
     else:
         payload = {"node": plan.node, "flow": flow, "bootId": before, "action": "reboot"}
         details["status"] = await effects.call_webhook(spec.webhook_url or "", payload, flow)
-    ok, view = await effects.wait_for_reboot(
-        ctx.kube, plan.node, before, spec.timeout or effects.DEFAULT_REBOOT_TIMEOUT
+    ok, view, failed = await effects.wait_for_reboot(
+        ctx.kube, plan.node, before, spec.timeout or effects.DEFAULT_REBOOT_TIMEOUT, each_round=each_round
     )
+    if hook == "job" and "job" not in details:
+        details["job_not_started"] = NOT_STARTED
+    if failed is not None:
+        return StepResult(Outcome.FAILED, f"{failed}; the node kept bootID {before}", details)
     if not ok:
-        return StepResult(Outcome.FAILED, "node did not come back Ready with a new bootID", details)
+        unstarted = f" ({NOT_STARTED})" if "job_not_started" in details else ""
+        return StepResult(Outcome.FAILED, f"node did not come back Ready with a new bootID{unstarted}", details)
     details["boot_id_after"] = view.boot_id
     if hook == "annotation":
 

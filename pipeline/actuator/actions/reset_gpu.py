@@ -1,6 +1,10 @@
 """resetGpu: a privileged Job pinned to the node runs the GPU reset (deterministic name: created once).
 
-Like reboot's Job, it runs only on a node carrying xidflow's own taint (``reboot.start_hook_job``).
+Like reboot's Job, it runs only on a node carrying xidflow's own taint (``reboot.start_hook_job``). The
+step follows the Job to its end as the Job controller records it: ``Complete`` is applied, ``Failed``
+(the reset command failed: a process still holds the GPU, ...) fails the step with the Job's reason, and so
+does a Job still running at the step's ``timeout`` (``effects.DEFAULT_RESET_TIMEOUT`` when the policy
+gives none); a failed step leaves the node quarantined and the flow's later steps undone.
 """
 
 from __future__ import annotations
@@ -16,11 +20,14 @@ async def run(ctx: StepContext, step: StepLike) -> StepResult:
     env = {"XIDFLOW_GPU_PCI": ctx.incident.pci} if ctx.incident is not None and ctx.incident.pci else None
     details = await start_hook_job(ctx, "xidflow-gpureset", settings.reset_job_template, effects.DEFAULT_RESET_JOB, env)
     name = details["job"]
-    if spec.timeout:
-        ok = await effects.wait_for_job(ctx.kube, settings.namespace, name, spec.timeout)
-        if not ok:
-            return StepResult(Outcome.FAILED, "reset Job failed" if ok is False else "reset Job timed out", details)
-    return StepResult(Outcome.APPLIED, f"reset Job {name}", details)
+    timeout = spec.timeout or effects.DEFAULT_RESET_TIMEOUT
+    end = await effects.wait_for_job(ctx.kube, settings.namespace, name, timeout)
+    if end is None:
+        return StepResult(Outcome.FAILED, f"reset Job {name} did not end within {timeout:g}s", details)
+    details["job_end"] = end.describe()
+    if not end.succeeded:
+        return StepResult(Outcome.FAILED, f"reset Job {name} {end.describe()}", details)
+    return StepResult(Outcome.APPLIED, f"reset Job {name} completed", details)
 
 
 ACTION = ActionDef(
