@@ -29,6 +29,8 @@ from typing import Any, Literal
 
 import orjson
 
+from pipeline.actuator.jobstatus import job_end
+
 RESULT_FORMAT = "xidflow.dev/diagnostics-result/v1"
 """Name of the termination-message format (docs/repair.md, "The diagnostics result")."""
 DEFAULT_TIMEOUT = 1800.0
@@ -90,13 +92,6 @@ def termination_message(pod: Mapping[str, Any]) -> str | None:
     return None
 
 
-def _condition(job: Mapping[str, Any], kind: str) -> Mapping[str, Any] | None:
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("type") == kind and cond.get("status") == "True":
-            return cond
-    return None
-
-
 def verdict(job: Mapping[str, Any], message: str | None, overdue: bool) -> GateResult:
     """The verdict of a diagnostics Job from its status and its pod's termination message (pure).
 
@@ -104,16 +99,15 @@ def verdict(job: Mapping[str, Any], message: str | None, overdue: bool) -> GateR
     """
     result = read_message(message)
     said = result.get("result")
-    if _condition(job, "Complete") is not None:
+    end = job_end(job)
+    if end is not None and end.succeeded:
         if said == "fail":
             return GateResult("fail", "the Job completed but its result says fail", result)
         return GateResult("pass", "the Job completed" + (" and its result says pass" if said == "pass" else ""), result)
-    failed = _condition(job, "Failed")
-    if failed is not None:
-        if failed.get("reason") == "DeadlineExceeded":
+    if end is not None:
+        if end.reason == "DeadlineExceeded":
             return GateResult("timeout", "the Job ran past its deadline (activeDeadlineSeconds)", result)
-        why = failed.get("reason") or "Failed"
-        return GateResult("fail", f"the Job failed ({why})", result)
+        return GateResult("fail", f"the Job failed ({end.reason or 'Failed'})", result)
     if overdue:
         return GateResult("timeout", "no verdict from the Job controller by the deadline", result)
     return GateResult(None)

@@ -21,6 +21,7 @@ from typing import Any
 import yaml
 
 from pipeline.actuator.diagnostics import DIAGNOSTICS_COMMAND
+from pipeline.actuator.jobstatus import JOB_GONE, JobEnd, job_end
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
 from pipeline.actuator.nodeview import NodeView
 from pipeline.actuator.ownership import (
@@ -235,36 +236,6 @@ async def call_webhook(url: str, payload: dict[str, Any], idempotency_key: str, 
         async with session.post(url, json=payload, headers={"Idempotency-Key": idempotency_key}) as resp:
             resp.raise_for_status()
             return resp.status
-
-
-@dataclass(frozen=True)
-class JobEnd:
-    """How the Job controller ended a hook Job: its ``Complete`` or ``Failed`` condition."""
-
-    succeeded: bool
-    reason: str = ""
-    """The Job controller's reason (``BackoffLimitExceeded``, ``DeadlineExceeded``, ...); empty for Complete."""
-    message: str = ""
-
-    def describe(self) -> str:
-        if self.succeeded:
-            return "Complete"
-        return ": ".join(p for p in ("Failed", self.reason, self.message) if p)
-
-
-def job_end(job: Mapping[str, Any]) -> JobEnd | None:
-    """The Job's end as its controller recorded it (its terminal condition), None while it runs. Pure."""
-    for cond in (job.get("status") or {}).get("conditions") or []:
-        if cond.get("status") != "True":
-            continue
-        if cond.get("type") == "Complete":
-            return JobEnd(True)
-        if cond.get("type") == "Failed":
-            return JobEnd(False, str(cond.get("reason") or ""), str(cond.get("message") or ""))
-    return None
-
-
-JOB_GONE = JobEnd(False, "Deleted", "the Job was deleted before xidflow saw it end")
 
 
 async def wait_for_reboot(

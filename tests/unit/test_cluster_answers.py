@@ -9,7 +9,7 @@ from pathlib import Path
 import yaml
 
 from pipeline.actuator.actions.reboot import _exit_of, _terminated_by_the_node
-from pipeline.actuator.effects import JobEnd, job_end
+from pipeline.actuator.jobstatus import JobEnd, job_end
 from pipeline.actuator.nodeview import NodeView
 from pipeline.localinfra import kwok
 from tests.unit.test_localinfra_controlplane import module_files

@@ -46,6 +46,9 @@ def job(condition: str | None, reason: str = "") -> dict[str, Any]:
     (job("Failed", "DeadlineExceeded"), None, False, "timeout"),
     (job(None), None, False, None),
     (job(None), None, True, "timeout"),
+    # Not an end yet: the Job controller's FailureTarget comes before Failed, a condition may be status False.
+    (job("FailureTarget", "BackoffLimitExceeded"), None, False, None),
+    ({"status": {"conditions": [{"type": "Complete", "status": "False"}]}}, None, False, None),
 ])
 def test_the_verdict_comes_from_the_jobs_status_and_the_result_format(
     status: dict[str, Any], message: str | None, overdue: bool, verdict: str | None

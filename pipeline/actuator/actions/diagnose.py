@@ -17,7 +17,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from pipeline.actuator import diagnostics, effects, repaircase
+from pipeline.actuator import diagnostics, effects, jobstatus, repaircase
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult, StopReason
 from pipeline.actuator.actions.reboot import start_hook_job
 from pipeline.actuator.kube import Kube
@@ -40,9 +40,8 @@ async def follow(kube: Kube, namespace: str, name: str, deadline_s: float) -> di
     while True:
         job = await kube.get_job(namespace, name)
         overdue = time.time() >= _created_at(job) + deadline_s + diagnostics.DEADLINE_GRACE
-        conditions = {c.get("type") for c in (job.get("status") or {}).get("conditions") or []}
         message = None
-        if conditions & {"Complete", "Failed"}:
+        if jobstatus.job_end(job) is not None:
             pods = await kube.list_pods(namespace, f"batch.kubernetes.io/job-name={name}")
             message = next((m for p in pods if (m := diagnostics.termination_message(p))), None)
         result = diagnostics.verdict(job, message, overdue)

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from pipeline.actuator import effects, jobtemplates
+from pipeline.actuator import effects, jobstatus, jobtemplates
 from pipeline.actuator.actions.base import ActionDef, Kind, StepContext, StepLike, StepResult
 from pipeline.actuator.kube import Kube, NotFound
 from pipeline.actuator.ownership import REBOOT_REQUEST_ANNOTATION, taint_effect_key
@@ -103,7 +103,7 @@ async def job_failed(kube: Kube, node: str, namespace: str, name: str) -> str | 
     """Why the reboot's hook Job failed without the machine going down, or None: it runs, it completed, it is
     gone (``ttlSecondsAfterFinished``), or its pod was terminated by the node's shutdown (the reboot itself)."""
     try:
-        end = effects.job_end(await kube.get_job(namespace, name))
+        end = jobstatus.job_end(await kube.get_job(namespace, name))
     except NotFound:
         return None
     if end is None or end.succeeded:
