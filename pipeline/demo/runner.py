@@ -421,7 +421,8 @@ class DemoRun:
         self.verdicts.append(Verdict(
             "Reboot and recovery", node, "recovered", "recovered" if ok else "still quarantined", ok,
             "drained, reboot requested through the annotation hook" + ("" if asked else " (request not seen)")
-            + ", new boot id with passing checks, then xidflow removed only what it applied"))
+            + ", new boot id with passing checks, the diagnostics Job passed, then xidflow removed only what it"
+            " applied"))
 
     @contextlib.asynccontextmanager
     async def timed(self, label: str, doing: str, how_far: Callable[[], str] | None = None,
