@@ -47,16 +47,24 @@ def free_port() -> int:
     local end of any process's outgoing connection, and the daemon then fails with "address already
     in use" (seen here: the controller-manager's port taken while the API server started). Ports below
     that range are only ever taken by a listener that asks for them.
+
+    A port handed out once is not handed out again by this process: its daemon may not have bound it
+    yet (the demo picks each node's Fluent Bit port before it starts any of them), and a second pick of
+    the same free port would start two listeners on it.
     """
     low, _high = ephemeral_range()
     if low - LISTEN_PORTS_FROM >= 1000:
         for _ in range(100):
             port = random.randrange(LISTEN_PORTS_FROM, low)
-            if _bindable(port):
+            if port not in _handed_out and _bindable(port):
+                _handed_out.add(port)
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:  # no room below the range: the kernel's choice
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+_handed_out: set[int] = set()
 
 
 def _bindable(port: int) -> bool:

@@ -52,6 +52,17 @@ def test_free_ports_are_chosen_below_the_ephemeral_range_and_free(tmp_path) -> N
     assert procs.ephemeral_range(tmp_path / "range") == (40000, 50000)
 
 
+def test_a_port_handed_out_is_not_handed_out_again_before_its_daemon_binds_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The random choice repeats itself; only the first pick of each port may be handed out.
+    picks = iter([20001, 20001, 20001, 20002])
+    monkeypatch.setattr(procs.random, "randrange", lambda _a, _b: next(picks))
+    monkeypatch.setattr(procs, "_handed_out", set())
+    monkeypatch.setattr(procs, "_bindable", lambda _p: True)  # nothing listens yet: both would look free
+    assert [procs.free_port(), procs.free_port()] == [20001, 20002]
+
+
 def test_a_long_wait_says_what_it_waits_for_and_for_how_long(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(procs, "PROGRESS_EVERY_S", 0.2)
     ready_at = time.monotonic() + 0.9
