@@ -352,13 +352,13 @@ def check_outcome(records: list[LogRecord], dead: list[DeadLetter]) -> None:
         DeadLetter.from_bytes(d.to_bytes())
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(value=st.none() | st.binary(max_size=300), key=keys, hdrs=headers)
 def test_random_bytes_never_raise(value, key, hdrs) -> None:
     check_outcome(*decode_record(value, key, hdrs, KERNEL_TOPIC))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(obj=shaped | json_values, key=keys, hdrs=headers, wrap=st.booleans())
 def test_json_of_any_shape_never_raises(obj, key, hdrs, wrap) -> None:
     if wrap:
@@ -396,7 +396,7 @@ def dumps_or_empty(obj: object) -> bytes:
         return b"{}"
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(raw=st.binary(max_size=200) | shaped.map(dumps_or_empty))
 def test_loki_tail_message_parsing_never_raises(raw: bytes) -> None:
     from pipeline.ingest.loki_tail import parse_tail_message

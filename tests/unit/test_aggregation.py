@@ -359,7 +359,7 @@ def build(spec: tuple, i: int) -> FaultEvent:
     return fault(what, pci=pci, at=at, action=ACTIONS[what], detail=detail, boot_id=boot, event_id=eid)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(st.lists(event_spec, max_size=40), st.integers(min_value=0, max_value=40))
 def test_restart_anywhere_gives_the_same_outputs(specs: list, cut: int) -> None:
     """A worker that restores the state from its changelog mid-stream decides exactly as one that did not."""
@@ -373,7 +373,7 @@ def test_restart_anywhere_gives_the_same_outputs(specs: list, cut: int) -> None:
     assert dump == [o.model_dump() for o in first + second]
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=150)
 @given(st.lists(event_spec, max_size=40))
 def test_invariants(specs: list) -> None:
     agg = Aggregator()
@@ -393,7 +393,7 @@ def test_invariants(specs: list) -> None:
     assert [o.incident_id for o in replay] == [o.incident_id for o in out]
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=100)
 @given(st.lists(st.floats(min_value=0, max_value=1e5, allow_nan=False), max_size=60))
 def test_noise_only_streams_never_open_incidents(times: list[float]) -> None:
     agg = Aggregator()

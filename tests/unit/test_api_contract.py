@@ -34,7 +34,7 @@ rfc3339_shaped = st.builds(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(rfc3339_shaped)
 def test_every_rfc3339_shaped_escalate_time_is_a_request_or_a_parameter_error(value: str) -> None:
     got = parse(body(value))
@@ -44,7 +44,7 @@ def test_every_rfc3339_shaped_escalate_time_is_a_request_or_a_parameter_error(va
         assert got.escalate_time.tzinfo is not None
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.one_of(st.integers(), st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=40),
                  st.booleans(), st.none()))
 def test_any_other_escalate_time_is_a_request_or_a_parameter_error(value: object) -> None:

@@ -128,7 +128,7 @@ step = st.one_of(
 )
 
 
-@settings(max_examples=400, deadline=None)
+@settings(max_examples=400)
 @given(
     fleet=st.integers(1, 40),
     share=st.sampled_from([0.1, 0.29, 0.5, 0.75, 1.0]),

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.ingest.parsing.common import DMESG_FACILITIES, DMESG_LEVELS
@@ -153,7 +153,7 @@ FM_FORMS: dict[str, st.SearchStrategy[str]] = {
         lambda t: f"{_syslog(t[0])} {t[1]} nv-fabricmanager[{t[2]}]: "),
     "grep over its log file": st.sampled_from(["/var/log/fabricmanager.log:", "fabricmanager.log.1:42:"]),
 }
-VARIED = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+VARIED = settings(max_examples=40)
 
 
 def test_every_documented_form_is_varied_and_every_varied_form_documented() -> None:

@@ -155,7 +155,7 @@ _fragments = st.sampled_from(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(st.lists(st.lists(_fragments, max_size=6).map("".join), min_size=1, max_size=30))
 def test_gate_keeps_every_payload_the_prefilter_could_pass(lines: list[str]) -> None:
     """The batch gate must never call noise what ``prefilter`` would let through (both matchers)."""
@@ -210,7 +210,7 @@ def test_every_adapter_dead_letter_has_a_code_from_the_closed_set() -> None:
     ]
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(st.binary(max_size=3000), st.integers(0, 30))
 def test_no_input_yields_unbounded_outputs(noise: bytes, depth: int) -> None:
     core = ParseCore(TOPICS, ParseSettings(shape_check_every=1, max_line_chars=512, max_dead_letters_per_record=3))

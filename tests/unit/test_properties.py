@@ -6,7 +6,7 @@ import json
 from datetime import UTC, datetime
 
 import orjson
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipeline.detection.detector import Detector, classify_lines, prefilter
@@ -14,7 +14,7 @@ from pipeline.ingest.parsing import XidLine, match_pod_signal, normalize_pci, pa
 from schemas.records import FaultEvent, LogRecord
 
 T0 = datetime(2025, 1, 1, tzinfo=UTC)
-FAST = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+FAST = settings(max_examples=150)
 
 # Fragments of real fault lines, so that random combinations reach deep into the parsers.
 FRAGMENTS = [
@@ -68,7 +68,7 @@ def test_invalid_utf8_through_classify_lines(raw: bytes) -> None:
         _roundtrip([event for _, event in classify_lines(text.splitlines(), source=source)])
 
 
-@settings(max_examples=5, deadline=None)
+@settings(max_examples=5)
 @given(filler=st.sampled_from(["a", "NVRM: ", "SXid (", "(", "0x0 ", "\"", "rror "]))
 def test_one_megabyte_lines(filler: str) -> None:
     line = filler * (1_000_000 // len(filler))

@@ -30,7 +30,7 @@ def _orjson_bytes(record: Record) -> bytes:
     return orjson.dumps(record.model_dump(mode="json"))
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=300)
 @given(
     text=TEXT, opt=OPT_TEXT, lists=st.lists(TEXT, max_size=4), code=st.none() | INT64, count=INT64,
     times=st.lists(TIMES, min_size=4, max_size=4), source_ts=st.none() | TIMES,
@@ -51,7 +51,7 @@ def test_incident_bytes_are_orjsons(
     assert NodeIncident.from_bytes(inc.to_bytes()) == inc
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(text=TEXT, opt=OPT_TEXT, lists=st.lists(TEXT, max_size=4), code=st.none() | INT64, ts=TIMES,
        kind=st.sampled_from(list(records.FaultKind)),
        reason=st.sampled_from(["reboot", "quiet", "manual", "cancelled"]))

@@ -149,7 +149,7 @@ def test_a_redelivered_signal_changes_nothing() -> None:
     assert part.model_dump() == before
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200)
 @given(
     nodes=st.integers(min_value=1, max_value=20),
     k=st.integers(min_value=2, max_value=8),

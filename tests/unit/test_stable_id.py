@@ -23,7 +23,7 @@ def _per_part(*parts: object) -> str:
 PART = st.text(max_size=30) | st.integers() | st.none() | st.booleans() | st.floats(allow_nan=False)
 
 
-@settings(max_examples=500, deadline=None)
+@settings(max_examples=500)
 @given(st.lists(PART, max_size=6))
 def test_same_id_as_the_per_part_hash(parts: list[object]) -> None:
     assert stable_id(*parts) == _per_part(*parts)

@@ -38,7 +38,7 @@ def test_a_transient_health_check_incident_keeps_its_node_due_at_every_tick() ->
     assert out and state.tick_due(QUIET) == 0.0
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60)
 @given(
     st.lists(st.tuples(st.sampled_from([31, 43, 79, 13]), st.sampled_from([Action.RESTART_APP, Action.RESET_GPU,
                                                                           Action.IGNORE]),
