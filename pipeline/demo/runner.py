@@ -48,7 +48,7 @@ from pipeline.actuator.ownership import LAST_ACTION_ANNOTATION, LEDGER_ANNOTATIO
 from pipeline.demo import view
 from pipeline.demo.fleet import STANDBY_LABEL, Fleet, pods_by_node
 from pipeline.demo.observed import HEALTHY, Budgets, PodMoves
-from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEX, STEPS, Emit, Step
+from pipeline.demo.scenario import LOKI_NODE_INDEX, REBOOT_NODE_INDEXES, STEPS, Emit, Step
 from pipeline.demo.shipping import (
     FLUENT_BIT_VERSION,
     FluentBitAccess,
@@ -407,22 +407,27 @@ class DemoRun:
                                          up, "the warm-standby policy brings a matching standby node into service"))
 
     async def reboot_and_recover(self, live: Live, producer: AIOKafkaProducer) -> None:
-        node = self.fleet.nodes[REBOOT_NODE_INDEX - 1]
-        self.phase = f"reboot of {node}"
-        asked, _ = await self.wait_for(live, lambda s: s.get(node, {}).get("reboot"), self.step_timeout)
-        # The node's reboot daemon: the machine reboots (a new boot id; KWOK reports the node Ready again) and
-        # its probe reports passing checks.
-        boot_id = await self.fleet.reboot(node)
-        self.rebooted.add(node)
-        await self.send_health(producer, node, boot_id)
-        self.phase = f"recovery of {node}"
-        ok, states = await self.wait_for(live, lambda s: not s.get(node, {}).get("unschedulable")
-                                         and not s.get(node, {}).get("taints"), self.step_timeout)
-        self.verdicts.append(Verdict(
-            "Reboot and recovery", node, "recovered", "recovered" if ok else "still quarantined", ok,
-            "drained, reboot requested through the annotation hook" + ("" if asked else " (request not seen)")
-            + ", new boot id with passing checks, the diagnostics Job passed, then xidflow removed only what it"
-            " applied"))
+        """Each node's reboot daemon answers its reboot request (every one: the reboot step of the other node's
+        flow times out otherwise); then each must pass its diagnostics and come back into service."""
+        nodes = [self.fleet.nodes[i - 1] for i in REBOOT_NODE_INDEXES]
+        asked: dict[str, bool] = {}
+        for node in nodes:
+            self.phase = f"reboot of {node}"
+            asked[node], _ = await self.wait_for(live, lambda s, n=node: s.get(n, {}).get("reboot"), self.step_timeout)
+            # The node's reboot daemon: the machine reboots (a new boot id; KWOK reports the node Ready again) and
+            # its probe reports passing checks.
+            boot_id = await self.fleet.reboot(node)
+            self.rebooted.add(node)
+            await self.send_health(producer, node, boot_id)
+        for node in nodes:
+            self.phase = f"recovery of {node}"
+            ok, _ = await self.wait_for(live, lambda s, n=node: not s.get(n, {}).get("unschedulable")
+                                        and not s.get(n, {}).get("taints"), self.step_timeout)
+            self.verdicts.append(Verdict(
+                "Reboot and recovery", node, "recovered", "recovered" if ok else "still quarantined", ok,
+                "drained, reboot requested through the annotation hook" + ("" if asked[node] else " (request not seen)")
+                + ", new boot id with passing checks, the diagnostics Job passed, then xidflow removed only what it"
+                " applied"))
 
     @contextlib.asynccontextmanager
     async def timed(self, label: str, doing: str, how_far: Callable[[], str] | None = None,

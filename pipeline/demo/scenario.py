@@ -119,8 +119,9 @@ STEPS: tuple[Step, ...] = (
     ),
 )
 
-REBOOT_NODE_INDEX = 2
-"""The node that is rebooted (new boot id, checks pass) and must come back into service."""
+REBOOT_NODE_INDEXES = (2, 4)
+"""The nodes whose rule asks their reboot daemon for a reboot (the two fallen-off-bus nodes): each is rebooted
+(new boot id, checks pass), passes the diagnostics Job and must come back into service."""
 
 LOKI_NODE_INDEX = 3
 """The node whose kernel lines travel the Konduktor path: Loki -> ``xidflow loki-tail`` -> Kafka."""
