@@ -16,17 +16,10 @@ from schemas.records import ALL_RECORDS
 JSON_DIR = Path(__file__).parent / "json"
 
 
-def _models() -> tuple[type, ...]:
-    # The decision API's request record lives beside the API; its topic is a contract all the same.
-    from pipeline.actuator.requests import RescueActionRequest
-
-    return (*ALL_RECORDS, RescueActionRequest)
-
-
 def rendered() -> dict[str, bytes]:
     """File name -> exact bytes of each schema file."""
     out: dict[str, bytes] = {}
-    for model in _models():
+    for model in ALL_RECORDS:
         schema = model.model_json_schema(mode="serialization")
         schema["$id"] = f"https://xidflow.dev/schemas/{model.__name__}.json"
         schema["$schema"] = "https://json-schema.org/draft/2020-12/schema"

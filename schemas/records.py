@@ -531,6 +531,7 @@ ALL_RECORDS: tuple[type[Record], ...] = (
     DeadLetter,
     FabricSignal,
     SharedPartIncident,
+    RescueActionRequest,
 )
 
 
