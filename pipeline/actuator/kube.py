@@ -127,6 +127,45 @@ def _map_error(exc: ApiException) -> Exception:
     return mapping.get(status, Invalid)(status, reason, message)
 
 
+SERVER_RETRIES = 5
+"""Times a read is sent again after the API server answered 5xx asking to retry (``server_retry_after``).
+client-go's REST client retries such answers up to 10 times; five waits of its usual 1 s cover a watch cache
+that lags etcd by seconds on a busy server, and a read that still fails then is the caller's to retry."""
+SERVER_RETRY_CAP_S = 5.0
+"""The longest wait taken for one such answer, whatever ``retryAfterSeconds`` says."""
+
+
+def server_retry_after(exc: ApiException) -> float | None:
+    """Seconds the API server asked for before the same call again, or None. Pure.
+
+    A 5xx ``Status`` whose ``details.retryAfterSeconds`` is set: the API server's 504 "Too large resource
+    version" (a list or get at a resourceVersion its watch cache has not reached yet: on a busy server the cache
+    lags etcd by seconds, seen at 10,000 KWOK nodes on 2 cores), its other timeouts and 503s. Nothing else."""
+    if not exc.status or exc.status < 500 or not exc.body:
+        return None
+    try:
+        body = orjson.loads(exc.body)
+    except orjson.JSONDecodeError:
+        return None
+    details = body.get("details") if isinstance(body, dict) else None
+    seconds = details.get("retryAfterSeconds") if isinstance(details, dict) else None
+    if isinstance(seconds, bool) or not isinstance(seconds, int | float) or seconds < 0:
+        return None
+    return min(float(seconds), SERVER_RETRY_CAP_S)
+
+
+def _reads(fn: Callable[..., Any]) -> bool:
+    """Whether ``fn`` is a GET: the generated API and ``kube_http`` name their reads ``list_*`` and ``read_*``.
+    Only reads are sent again: a write the server timed out on may still be applied."""
+    return getattr(fn, "__name__", "").startswith(("list_", "read_"))
+
+
+class _RetryLater(Exception):
+    def __init__(self, after_s: float, error: Exception) -> None:
+        super().__init__(str(error))
+        self.after_s, self.error = after_s, error
+
+
 API_PRIORITY: contextvars.ContextVar[int] = contextvars.ContextVar("xidflow_api_priority", default=1)
 """Priority of the API calls made in this context: lower goes first. The engine sets 0 while it takes a node
 out of scheduling (``Kube.quarantining``), so that in a storm every node is quarantined before Events and
@@ -438,6 +477,18 @@ class Kube:
             raise _map_error(exc) from None
 
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """One API call with the limiter's slot; a read the API server asked to retry is sent again after the
+        wait it asked for (``server_retry_after``, up to ``SERVER_RETRIES`` times), the slot given back meanwhile."""
+        for attempt in itertools.count():
+            try:
+                return await self._call_once(fn, *args, **kwargs)
+            except _RetryLater as later:
+                if attempt >= SERVER_RETRIES:
+                    raise later.error from None
+                await asyncio.sleep(later.after_s)
+        raise AssertionError("unreachable")
+
+    async def _call_once(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
         reserved = await self._limiter.acquire(API_PRIORITY.get())
         try:
@@ -449,6 +500,9 @@ class Kube:
         except ApiException as exc:
             if exc.status:
                 API_SERVER.reachable()  # it answered
+            after = server_retry_after(exc) if _reads(fn) else None
+            if after is not None:
+                raise _RetryLater(after, _map_error(exc)) from None
             raise _map_error(exc) from None
         except TRANSPORT_ERRORS as exc:
             raise _not_reached(exc) from None
