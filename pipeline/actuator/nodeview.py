@@ -8,6 +8,10 @@ from typing import Any
 
 from pipeline.actuator.ownership import Ledger
 
+CORDON_ANSWER_TAINT = "node.kubernetes.io/unschedulable"
+"""The taint Kubernetes' node lifecycle controller adds to every cordoned Node (and removes on uncordon): its write
+of its own on the Node, in answer to a cordon (``spec.unschedulable``; what ``nodeTaintsPolicy: Honor`` reads)."""
+
 
 @dataclass(frozen=True)
 class NodeView:

@@ -19,6 +19,7 @@ from typing import Any
 import orjson
 
 from pipeline.actuator.kube import Kube
+from pipeline.actuator.nodeview import CORDON_ANSWER_TAINT as UNSCHEDULABLE_TAINT
 
 FATAL_LINE = "NVRM: Xid (PCI:0000:4e:00): 79, pid='<unknown>', name=<unknown>, GPU has fallen off the bus."
 TAINT_KEY = "nvidia.com/gpu-fault"
@@ -57,10 +58,6 @@ def summarize(prefix: str, latencies_ms: list[float], expected: int) -> dict[str
             }
         )
     return out
-
-
-UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
-"""The node lifecycle controller's answer to a cordon (TaintNodesByCondition): its own taint on the node."""
 
 
 class NodeWatch:

@@ -30,14 +30,13 @@ from kubernetes import client
 
 from pipeline.actuator import machines
 from pipeline.actuator.kube import AlreadyExists, Kube, NotFound
+from pipeline.actuator.nodeview import CORDON_ANSWER_TAINT as UNSCHEDULABLE_TAINT
 
 DEMO_LABEL = "xidflow.dev/demo"
 STANDBY_LABEL = "xidflow.dev/standby"
 APP_LABEL = "app"
 CONTAINER = "trainer"
 HOSTNAME = "kubernetes.io/hostname"
-UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
-"""The node lifecycle controller's taint on a cordoned node (what ``nodeTaintsPolicy: Honor`` reads)."""
 
 
 @dataclass(frozen=True)

@@ -20,11 +20,10 @@ from kubernetes import client
 
 from pipeline.actuator.kube import AlreadyExists, Kube
 from pipeline.actuator.machines import hostname
+from pipeline.actuator.nodeview import CORDON_ANSWER_TAINT as UNSCHEDULABLE_TAINT
 from pipeline.localinfra.kwok import POD_COMPLETE_LABEL, POD_FAIL_LABEL
 
 HOSTNAME = "kubernetes.io/hostname"
-UNSCHEDULABLE_TAINT = "node.kubernetes.io/unschedulable"
-"""The taint the node lifecycle controller puts on a cordoned node (TaintNodesByCondition)."""
 UNSCHEDULABLE_TOLERATION = {"key": "node.kubernetes.io/unschedulable", "operator": "Exists", "effect": "NoSchedule"}
 """What lets the scheduler place a pod on a cordoned node (DaemonSet pods carry it)."""
 
