@@ -143,11 +143,7 @@ def _faust_classes() -> dict[str, type]:
             await super().on_start()
             idle_ms = getattr(self.consumer, "idle_fetch_max_wait_ms", None)
             if idle_ms is not None:
-                # The partitions of topics the agents do not read (the tables' changelogs, paused by
-                # Faust once restored) hold no record back from them.
-                sources = getattr(self.consumer, "source_topics", None)
-                parked = (lambda tp: tp.topic not in sources) if sources else None
-                long_poll_when_idle(self._consumer, idle_ms, parked)
+                long_poll_when_idle(self._consumer, idle_ms)
 
 
     class FaustConsumer(faust_aiokafka.Consumer):
@@ -538,28 +534,19 @@ def deliver_bare_records(consumer: Any) -> None:
 # -- a fetch that waits long only when nothing can be held back by it ------------------------------
 
 
-def fetch_covers_every_partition(
-    buffered: Any, assignment: Any, parked: Callable[[Any], bool] | None = None
-) -> bool:
+def fetch_covers_every_partition(buffered: Any, assignment: Any) -> bool:
     """Whether a fetch planned now asks for every assigned partition: none has records buffered, is
-    paused or waits for its position. Pure (``buffered``: the fetcher's ``tp -> records`` buffer).
-
-    ``parked`` names partitions that are paused for good and are no reason for a short fetch: Faust
-    pauses the node-state table's changelog partitions once they are restored and keeps them assigned,
-    so with them counted the aggregation's consumer was never idle and fetched 20 times a second.
-    """
+    paused or waits for its position. Pure (``buffered``: the fetcher's ``tp -> records`` buffer)."""
     if buffered:
         return False
     for tp in assignment.tps:
         state = assignment.state_value(tp)
-        if state.paused and parked is not None and parked(tp):
-            continue
         if state.paused or not state.has_valid_position:
             return False
     return True
 
 
-def long_poll_when_idle(consumer: Any, idle_ms: int, parked: Callable[[Any], bool] | None = None) -> None:
+def long_poll_when_idle(consumer: Any, idle_ms: int) -> None:
     """Make a started consumer's fetches wait ``idle_ms`` on the broker when they cover every partition.
 
     aiokafka keeps one fetch in flight per broker and leaves a partition whose records are still
@@ -578,7 +565,7 @@ def long_poll_when_idle(consumer: Any, idle_ms: int, parked: Callable[[Any], boo
     plan = fetcher._get_actions_per_node
 
     def plan_fetches(assignment: Any) -> Any:
-        idle = fetch_covers_every_partition(fetcher._records, assignment, parked)
+        idle = fetch_covers_every_partition(fetcher._records, assignment)
         fetcher._fetch_max_wait_ms = idle_ms if idle else busy_ms
         return plan(assignment)
 

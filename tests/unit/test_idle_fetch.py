@@ -49,22 +49,6 @@ async def test_a_fetch_covers_every_partition_only_with_nothing_buffered_paused_
     assert not upstream.fetch_covers_every_partition({}, paused)
 
 
-async def test_a_partition_paused_for_good_is_no_reason_for_a_short_fetch() -> None:
-    changelog = TopicPartition("xidflow-node-state-changelog", 0)
-    subscription = SubscriptionState()
-    subscription.assign_from_user({T0, changelog})
-    assignment = subscription.subscription.assignment
-    for tp in (T0, changelog):
-        assignment.state_value(tp).seek(0)
-    assignment.state_value(changelog).pause()  # what Faust does with a restored table's changelog
-    parked = lambda tp: tp.topic != T0.topic  # noqa: E731 - the source topics' complement, as the worker's
-    assert upstream.fetch_covers_every_partition({}, assignment, parked)
-    assert not upstream.fetch_covers_every_partition({}, assignment)
-    assignment.state_value(T0).pause()  # a source partition paused (flow control) still makes it short
-    assert not upstream.fetch_covers_every_partition({}, assignment, parked)
-    assert not upstream.fetch_covers_every_partition({T0: object()}, assignment, parked)
-
-
 async def test_the_fetch_waits_long_when_idle_and_briefly_while_records_are_buffered() -> None:
     consumer = AIOKafkaConsumer(bootstrap_servers="localhost:1")
     with pytest.raises(RuntimeError):
