@@ -203,8 +203,7 @@ worker sends a small empty fetch every this many ms instead."""
 
 IDLE_FETCH_MAX_WAIT_MS = 500
 """How long a fetch of the worker's consumers waits on the broker when it asks for every assigned partition
-(nothing buffered, nothing paused but the restored changelog partitions Faust keeps paused:
-``upstream.long_poll_when_idle``), aiokafka's default: such a fetch holds
+(nothing buffered, nothing paused: ``upstream.long_poll_when_idle``), aiokafka's default: such a fetch holds
 no partition back, the broker answers it at the first record. An idle worker then fetches twice a second
 per consumer instead of 20 times."""
 
