@@ -60,12 +60,12 @@ def auth_headers(cfg: Any) -> dict[str, str]:
     return {a["key"]: a["value"] for a in found if a.get("in") == "header" and a.get("value")}
 
 
-
 @functools.lru_cache(maxsize=16)
 def _timeout(connect: float, read: float) -> aiohttp.ClientTimeout:
     """The (connect, read) limits of a call as aiohttp takes them: one frozen object per pair, not one per call (its
     construction was a visible share of the actuators' calls in a burst's profile)."""
     return aiohttp.ClientTimeout(sock_connect=connect, sock_read=read)
+
 
 class HttpCalls:
     """One aiohttp session per event loop over the kubeconfig's API server; methods return raw bodies."""
