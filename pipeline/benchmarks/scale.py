@@ -453,6 +453,9 @@ async def scale(
         out["scale_burst_order"] = order
         out.update(ratios(out))
         return out
+    except Exception as exc:  # noqa: BLE001 - a late failure keeps what was measured before it (35 minutes in)
+        out["scale_error"] = f"{type(exc).__name__}: {exc}"
+        return out
     finally:
         await producer.stop()
         for world in worlds.values():
