@@ -38,9 +38,7 @@ class ParseSettings(BaseSettings):
         default=50,
         ge=1,
         le=60_000,
-        description="Default 50. How long getmany waits for records when none are buffered, while the stage has "
-        "work on a clock (a partial multi-line message, a batch not yet acknowledged); idle, it waits 500 ms or "
-        "this, whichever is longer. Records end either wait at once (1 to 60000).",
+        description="Default 50. How long getmany waits for records when none are buffered (1 to 60000).",
     )
     shape_check_every: int = Field(
         default=1000,

@@ -156,12 +156,11 @@ class ParseStage:
             # Idle, one fetch of every partition waits long on the broker instead of 20 short ones a second.
             upstream.long_poll_when_idle(consumer, max(IDLE_FETCH_MAX_WAIT_MS, s.fetch_max_wait_ms))
             consumer.subscribe(self.input_topics, listener=_Rebalance(self))
-            idle = False  # the last poll found nothing, and nothing waits on a timer (``_quiet``)
             try:
                 while not self._stopping.is_set():
                     self.live.beat()
                     try:
-                        batches = await self._poll(consumer, poll_wait_ms(s.poll_timeout_ms, idle))
+                        batches = await consumer.getmany(timeout_ms=s.poll_timeout_ms, max_records=s.max_records)
                     except Exception as exc:
                         failure = upstream.locate_undecodable(exc)
                         if failure is None:
@@ -175,7 +174,6 @@ class ParseStage:
                     if batches:
                         await _let_fetcher_run()
                     await self._handle(consumer, producer, batches)
-                    idle = not batches and self._quiet()
                     if stop_after is not None and self.counters.records >= stop_after:
                         break
                 await self.drain()
@@ -346,35 +344,6 @@ class ParseStage:
         self._inflight.append(asyncio.ensure_future(settle()))
         self._inflight_bytes.append(size)
 
-    def _quiet(self) -> bool:
-        """Nothing of the stage waits on a clock: no partial multi-line message to flush when stale, no
-        batch whose outputs or commit are on their way (its settle)."""
-        return not self._inflight and not self.core.held_offsets()
-
-    async def _poll(self, consumer: AIOKafkaConsumer, timeout_ms: int) -> dict[TopicPartition, list[Any]]:
-        """One ``getmany`` of at most ``timeout_ms``; a wait longer than the configured poll ends at ``stop()``.
-
-        Records end the wait either way: aiokafka wakes ``getmany`` as soon as its fetch task has some.
-        Cancelled while it waits, ``getmany`` has taken no record from the fetcher's buffer.
-        """
-        s = self.settings
-        if timeout_ms <= s.poll_timeout_ms:
-            return await consumer.getmany(timeout_ms=timeout_ms, max_records=s.max_records)
-        poll = asyncio.ensure_future(consumer.getmany(timeout_ms=timeout_ms, max_records=s.max_records))
-        stopping = asyncio.ensure_future(self._stopping.wait())
-        try:
-            await asyncio.wait([poll, stopping], return_when=asyncio.FIRST_COMPLETED)
-        finally:
-            stopping.cancel()
-            if not poll.done():
-                poll.cancel()
-        try:
-            return await poll
-        except asyncio.CancelledError:
-            if poll.cancelled() and self._stopping.is_set():
-                return {}  # stopped while idle: nothing was taken
-            raise
-
     def _reap(self) -> None:
         """Forget the settles that are done, oldest first."""
         while self._inflight and self._inflight[0].done():
@@ -420,17 +389,6 @@ class ParseStage:
             self.counters.commit_failures += 1
             log.warning("parse commit failed (%s); records will be replayed by the partition owner", exc)
             return False
-
-
-def poll_wait_ms(poll_timeout_ms: int, idle: bool) -> int:
-    """How long the stage's next ``getmany`` may wait for records. Pure.
-
-    Busy (records came, or something waits on a clock: a partial multi-line message, a settle), the
-    configured ``poll_timeout_ms``. Idle, as long as its consumer's idle fetch waits on the broker
-    (``IDLE_FETCH_MAX_WAIT_MS``): records end the wait at once, so it only spares the loop's empty
-    turns (a 5 ms poll, as the bench runs it, was 200 turns and about 50 ms of CPU a second at rest).
-    """
-    return max(poll_timeout_ms, IDLE_FETCH_MAX_WAIT_MS) if idle else poll_timeout_ms
 
 
 async def _let_fetcher_run() -> None:

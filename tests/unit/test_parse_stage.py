@@ -357,12 +357,3 @@ def test_sizes_that_do_not_add_up_are_not_trusted() -> None:
     assert core.candidates(values, [true[0] + true[1], 1, true[2]]) == [1]
     assert core.candidates(values, [-1, *true[1:]]) == [1]
     assert core.candidates([None, *values], [-1, *true]) == [0, 2]
-
-
-def test_an_idle_stage_waits_as_long_as_its_idle_fetch_and_a_busy_one_its_own_poll() -> None:
-    from pipeline.detection.parse_stage import poll_wait_ms
-    from pipeline.kafka.fetch_watchdog import IDLE_FETCH_MAX_WAIT_MS
-
-    assert poll_wait_ms(5, idle=False) == 5
-    assert poll_wait_ms(5, idle=True) == IDLE_FETCH_MAX_WAIT_MS
-    assert poll_wait_ms(IDLE_FETCH_MAX_WAIT_MS * 4, idle=True) == IDLE_FETCH_MAX_WAIT_MS * 4  # never shorter
