@@ -12,6 +12,7 @@ from urllib.parse import urlparse
 import pytest
 from aiokafka import AIOKafkaConsumer, TopicPartition
 from aiokafka.admin import AIOKafkaAdminClient
+from aiokafka.errors import KafkaError
 from kubernetes import config
 
 from pipeline.actuator.app import Actuator, actuator_topics, ensure_namespace
@@ -57,7 +58,16 @@ async def committed(bootstrap: str, group: str, topic: str) -> tuple[dict[int, i
     admin = AIOKafkaAdminClient(bootstrap_servers=bootstrap)
     await admin.start()
     try:
-        offsets = await admin.list_consumer_group_offsets(group)
+        for attempt in range(40):
+            try:
+                offsets = await admin.list_consumer_group_offsets(group)
+                break
+            except KafkaError as exc:
+                # The broker answers "coordinator not available" while it loads the group's offsets partition
+                # (a private broker just started, on a loaded machine): retriable, as aiokafka's own clients do.
+                if not exc.retriable or attempt == 39:
+                    raise
+                await asyncio.sleep(0.25)
     finally:
         await admin.close()
     consumer = AIOKafkaConsumer(bootstrap_servers=bootstrap)
