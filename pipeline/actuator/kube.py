@@ -479,14 +479,15 @@ class Kube:
     async def _call(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         """One API call with the limiter's slot; a read the API server asked to retry is sent again after the
         wait it asked for (``server_retry_after``, up to ``SERVER_RETRIES`` times), the slot given back meanwhile."""
-        for attempt in itertools.count():
+        for _ in range(SERVER_RETRIES):
             try:
                 return await self._call_once(fn, *args, **kwargs)
             except _RetryLater as later:
-                if attempt >= SERVER_RETRIES:
-                    raise later.error from None
                 await asyncio.sleep(later.after_s)
-        raise AssertionError("unreachable")
+        try:
+            return await self._call_once(fn, *args, **kwargs)
+        except _RetryLater as later:
+            raise later.error from None
 
     async def _call_once(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
         loop = asyncio.get_running_loop()
